@@ -1,0 +1,8 @@
+"""cam_jit: Ascend CAM MoE operators for PyTorch, JIT-compiled on first use.
+
+Importing this package compiles nothing and needs no compiler, torch_npu or CANN.
+"""
+from cam_jit._version import __version__
+from cam_jit.jit import load
+
+__all__ = ["__version__", "load"]

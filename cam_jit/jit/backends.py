@@ -1,0 +1,92 @@
+"""The backends the JIT can build: a registry of name -> spec factory + availability check.
+
+The CPU backend compiles every ``*.cpp`` of the kernels directory's ``cpu/`` folder. The NPU
+backend is registered without a spec for now (only its availability is reported); adding it is
+one :func:`register_backend` call with a factory whose spec carries torch_npu/CANN/SoC facts in
+``extra_key``.
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, Optional
+
+from cam_jit.jit.errors import JitError
+from cam_jit.jit.spec import BuildSpec
+
+_PACKAGE_DIR = Path(__file__).resolve().parent.parent  # the cam_jit package directory
+
+# -ffp-contract=off: SPEC.md's numerical contract forbids FMA contraction. -fopenmp: at::parallel_for
+# only runs in parallel when _OPENMP is defined; the library then needs libgomp.so.1, the runtime
+# torch itself loads (bundled in torch/lib), so there is one OpenMP runtime in the process.
+CPU_CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
+CPU_LDFLAGS = ("-fopenmp",)
+
+
+def kernels_dir() -> Path:
+    """The C++ kernels: ``cam_jit/_kernels`` in an installed wheel, else ``<repo>/kernels``."""
+    installed = _PACKAGE_DIR / "_kernels"
+    return installed if installed.is_dir() else _PACKAGE_DIR.parent / "kernels"
+
+
+def cpu_spec() -> BuildSpec:
+    """Spec of the CPU backend: every ``*.cpp`` (compiled) and ``*.h`` (hashed) under ``cpu/``."""
+    root = kernels_dir()
+    cpu = root / "cpu"
+    sources = tuple(sorted(cpu.rglob("*.cpp")))
+    if not sources:
+        raise JitError(f"no C++ sources (*.cpp) in {cpu}: this cam_jit installation is incomplete "
+                       "(reinstall it, or run from a complete checkout)")
+    return BuildSpec(backend="cpu", name="cam_jit_cpu", root=root, sources=sources,
+                     headers=tuple(sorted(cpu.rglob("*.h"))), include_dirs=(cpu,),
+                     cflags=CPU_CFLAGS, ldflags=CPU_LDFLAGS)
+
+
+def _npu_unavailable() -> Optional[str]:
+    if importlib.util.find_spec("torch_npu") is None:
+        return "torch_npu is not importable"
+    return "this cam_jit version has no NPU build spec yet"
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A registered backend: ``make_spec`` builds its :class:`BuildSpec` (None: not buildable in
+    this version); ``unavailable`` returns why it cannot run on this machine, or None."""
+
+    name: str
+    make_spec: Optional[Callable[[], BuildSpec]]
+    unavailable: Callable[[], Optional[str]]
+
+
+BACKENDS: Dict[str, Backend] = {}
+
+
+def register_backend(name: str, make_spec: Optional[Callable[[], BuildSpec]],
+                     unavailable: Callable[[], Optional[str]] = lambda: None) -> None:
+    """Add or replace a backend in the registry."""
+    BACKENDS[name] = Backend(name, make_spec, unavailable)
+
+
+register_backend("cpu", cpu_spec)
+register_backend("npu", None, _npu_unavailable)
+
+
+def default_backend() -> str:
+    """The current machine's backend: ``npu`` when it is buildable and torch_npu importable,
+    else ``cpu``."""
+    npu = BACKENDS.get("npu")
+    if npu is not None and npu.make_spec is not None and npu.unavailable() is None:
+        return "npu"
+    return "cpu"
+
+
+def backend_spec(name: str) -> BuildSpec:
+    """The spec of backend ``name``; a clear :class:`JitError` if it is unknown or unavailable."""
+    backend = BACKENDS.get(name)
+    if backend is None:
+        raise JitError(f"unknown backend {name!r}; known backends: {', '.join(sorted(BACKENDS))}")
+    reason = backend.unavailable()
+    if backend.make_spec is None or reason is not None:
+        raise JitError(f"backend {name!r} is not available here: {reason or 'no build spec'}")
+    return backend.make_spec()

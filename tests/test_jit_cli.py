@@ -1,0 +1,89 @@
+"""Tests of the ``python -m cam_jit`` command line (build, clean, doctor, ops)."""
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import cam_jit
+from cam_jit import jit
+from cam_jit.__main__ import main
+from cam_jit.jit import core
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "tests" / "jit_data"
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    """A private cache per test, a registered tiny backend, no memoised loads."""
+    path = tmp_path / "cache"
+    monkeypatch.setenv("CAM_JIT_CACHE_DIR", str(path))
+    monkeypatch.delenv("CAM_JIT_DISABLE_JIT", raising=False)
+    monkeypatch.setattr(core, "_LOADED", {})
+    spec = jit.BuildSpec(backend="tiny", name="t_cli_tiny", root=DATA,
+                         sources=(DATA / "tiny.cpp",), headers=(DATA / "tiny.h",))
+    monkeypatch.setitem(jit.BACKENDS, "tiny", jit.Backend("tiny", lambda: spec, lambda: None))
+    return path
+
+
+def test_build_prints_the_entry_then_doctor_lists_it_then_clean_removes_it(capsys):
+    assert main(["build", "--backend", "tiny"]) == 0
+    out, err = capsys.readouterr()
+    entry = Path(out.strip())
+    assert (entry / "manifest.json").is_file() and "was built" in err
+    assert main(["build", "--backend", "tiny"]) == 0  # memoised in this process: no rebuild
+    assert Path(capsys.readouterr().out.strip()) == entry
+
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    for expected in (torch.__version__, torch.version.git_version, cam_jit.__version__,
+                     "numpy", "compiler", "ninja", str(jit.cache_dir()), "cache entries: 1",
+                     f"tiny   {entry.parent.name}/{entry.name}", "verified",
+                     "npu    unavailable: torch_npu is not importable",
+                     f"tiny   available: ready: cache entry {entry}"):
+        assert expected in out, (expected, out)
+
+    assert main(["clean", "--backend", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert f"removed {entry}" in out and "1 entries removed" in out and not entry.exists()
+
+
+def test_clean_skips_an_entry_being_built(capsys):
+    assert main(["build", "--backend", "tiny"]) == 0
+    entry = Path(capsys.readouterr().out.strip())
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time, filelock; l = filelock.UnixFileLock(sys.argv[1]);"
+         "l.acquire(); print('held', flush=True); time.sleep(60)", f"{entry}.lock"],
+        stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert main(["clean"]) == 0
+        assert f"skipped {entry}" in capsys.readouterr().out and entry.is_dir()
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)
+        holder.communicate()
+    assert main(["clean"]) == 0 and not entry.exists()
+
+
+def test_ops_prints_the_op_registry(capsys):
+    from cam_jit.ops import describe_ops
+
+    assert main(["ops"]) == 0
+    out = capsys.readouterr().out
+    for op in describe_ops():
+        line = next(line for line in out.splitlines() if line.split()[0] == op["name"])
+        assert all(backend in line for backend in op["backends"])
+
+
+def test_module_entry_point_in_a_fresh_process(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO), CAM_JIT_CACHE_DIR=str(tmp_path / "cache"),
+               CAM_JIT_DISABLE_JIT="1")
+    run = subprocess.run([sys.executable, "-m", "cam_jit", "build", "--backend", "cpu"],
+                         env=env, capture_output=True, text=True, timeout=120, cwd="/")
+    assert run.returncode == 1 and run.stdout == ""
+    assert "CAM_JIT_DISABLE_JIT=1" in run.stderr and "python -m cam_jit build" in run.stderr
+    assert "Traceback" not in run.stderr
