@@ -1,0 +1,20 @@
+"""Golden "small ops" reference implementations (SPEC.md made executable).
+
+Independent of the product code (``cam_jit.ops`` / the C++ kernels); tests compare the two.
+
+* :func:`fused_deep_moe` - the whole operator (SPEC §1), same signature as the public op.
+* :func:`pack_int4`, :func:`unpack_int4`, :func:`w4a8_compensation_bias` - SPEC §1.5 helpers.
+* ``fused_deep_moe_steps`` - the module holding the individual SPEC steps (``quantize_rows``,
+  ``gmm1_stage``, ``swiglu_requant``, ``gmm2_stage``, ``expert_ffn``, ``combine``) for
+  stage-by-stage comparisons. (The attribute ``fused_deep_moe`` of this package is the function,
+  so ``import cam_jit.reference.fused_deep_moe as m`` would not give the module.)
+"""
+import importlib as _importlib
+
+from ._int4 import pack_int4, unpack_int4, w4a8_compensation_bias
+
+fused_deep_moe_steps = _importlib.import_module(".fused_deep_moe", __name__)
+fused_deep_moe = fused_deep_moe_steps.fused_deep_moe
+
+__all__ = ["fused_deep_moe", "fused_deep_moe_steps", "pack_int4", "unpack_int4",
+           "w4a8_compensation_bias"]
