@@ -1,0 +1,65 @@
+"""Argument checks shared by the ops: every failure names the op, the argument, the expected
+value and the actual value."""
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence, Union
+
+import torch
+
+_DTYPE_NAMES = {
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float32: "float32",
+    torch.int8: "int8",
+    torch.int32: "int32",
+    torch.int64: "int64",
+    torch.bool: "bool",
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def fail(op: str, arg: str, expected: str, actual: object, exc: type = ValueError) -> None:
+    raise exc(f"{op}: argument '{arg}': expected {expected}, got {actual}")
+
+
+def tensor(op: str, arg: str, value: object) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        fail(op, arg, "a torch.Tensor", type(value).__name__, TypeError)
+    return value
+
+
+def optional_tensor(op: str, arg: str, value: object) -> Optional[torch.Tensor]:
+    return None if value is None else tensor(op, arg, value)
+
+
+def integer(op: str, arg: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        fail(op, arg, "an int", type(value).__name__, TypeError)
+    return value
+
+
+def dtype(op: str, arg: str, t: torch.Tensor, allowed: Iterable[torch.dtype]) -> None:
+    allowed = tuple(allowed)
+    if t.dtype not in allowed:
+        fail(op, arg, "dtype " + " or ".join(dtype_name(d) for d in allowed), dtype_name(t.dtype), TypeError)
+
+
+def ndim(op: str, arg: str, t: torch.Tensor, dims: Union[int, Sequence[int]]) -> None:
+    dims = (dims,) if isinstance(dims, int) else tuple(dims)
+    if t.dim() not in dims:
+        wanted = " or ".join(f"{d}-D" for d in dims)
+        fail(op, arg, f"a {wanted} tensor", f"{t.dim()}-D with shape {list(t.shape)}")
+
+
+def shape(op: str, arg: str, t: torch.Tensor, expected: Sequence[int], meaning: str = "") -> None:
+    if list(t.shape) != list(expected):
+        note = f" ({meaning})" if meaning else ""
+        fail(op, arg, f"shape {list(expected)}{note}", list(t.shape))
+
+
+def device(op: str, arg: str, t: torch.Tensor, expected: torch.device) -> None:
+    if t.device != expected:
+        fail(op, arg, f"a tensor on {expected} (the device of 'x')", t.device)

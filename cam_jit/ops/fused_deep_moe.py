@@ -1,0 +1,396 @@
+"""`fused_deep_moe`: the expert-parallel MoE layer in one op (SPEC.md §1).
+
+Public function, torch.library schema, argument checks, fake kernel and CPU implementation.
+The CPU implementation dispatches quantised tokens to the ranks that own their experts with
+`all_to_all_single`, runs the JIT-compiled expert kernels, sends the results back and combines.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from cam_jit.ops import _checks as check
+from cam_jit.ops import _exchange
+from cam_jit.ops._kernels import cpu_kernels, register_inference_only
+from cam_jit.ops.groups import group_ep_name, resolve_group
+
+OP = "fused_deep_moe"
+QUALNAME = "cam_jit::fused_deep_moe"
+SCHEMA = (
+    "(Tensor x, Tensor expert_ids, Tensor[] gmm1_weight, Tensor[] gmm1_weight_scale, Tensor[] gmm2_weight, "
+    "Tensor[] gmm2_weight_scale, Tensor expert_scales, Tensor? share_gmm1_weight, Tensor? share_gmm1_weight_scale, "
+    "Tensor? share_gmm2_weight, Tensor? share_gmm2_weight_scale, Tensor? expert_smooth_scales, "
+    "Tensor? share_smooth_scales, Tensor? x_active_mask, Tensor[] gmm1_bias, Tensor[] gmm2_bias, "
+    "Tensor? share_gmm1_bias, Tensor? share_gmm2_bias, str group_ep, int ep_rank_size, int ep_rank_id, "
+    "int moe_expert_num, int quant_mode, int global_bs) -> Tensor[]"
+)
+
+TensorOrList = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Sizes derived from validated arguments (SPEC.md §1.2 symbols)."""
+
+    batch: int  # BS
+    hidden: int  # H
+    topk: int  # K
+    local_experts: int  # E_loc
+    inter: int  # I (gmm1 output is 2I wide)
+    shared: bool
+    share_inter: int  # Is, 0 without a shared expert
+
+
+def _container(arg: str, items: object, item_shape: Sequence[int], local_experts: int) -> torch.dtype:
+    """Checks a weight container (SPEC.md §1.3): one stacked [E_loc, *item_shape] tensor (or, with
+    one local expert, one item_shape tensor), or E_loc item_shape tensors. Returns the dtype."""
+    if not items:
+        check.fail(OP, arg, "a tensor or a non-empty list of tensors", "an empty list")
+    item_dim = len(item_shape)
+    if len(items) == 1:
+        only = items[0]
+        if only.dim() == item_dim + 1:
+            check.shape(OP, arg + "[0]", only, [local_experts, *item_shape], "stacked [E_loc, ...] container")
+        elif only.dim() == item_dim and local_experts == 1:
+            check.shape(OP, arg + "[0]", only, item_shape)
+        else:
+            check.fail(
+                OP,
+                arg + "[0]",
+                f"a stacked {item_dim + 1}-D tensor of shape {[local_experts, *item_shape]}"
+                + (f" or a {item_dim}-D tensor of shape {list(item_shape)}" if local_experts == 1 else ""),
+                f"{only.dim()}-D with shape {list(only.shape)}",
+            )
+    elif len(items) == local_experts:
+        for i, t in enumerate(items):
+            check.shape(OP, f"{arg}[{i}]", t, item_shape, f"local expert {i}")
+    else:
+        check.fail(
+            OP,
+            arg,
+            f"a list of 1 stacked tensor or {local_experts} per-expert tensors (E_loc = moe_expert_num / ep_rank_size)",
+            f"a list of {len(items)}",
+        )
+    dtypes = {t.dtype for t in items}
+    if len(dtypes) > 1:
+        check.fail(OP, arg, "one dtype for all its tensors", sorted(check.dtype_name(d) for d in dtypes), TypeError)
+    return items[0].dtype
+
+
+def _shared_tensor(arg: str, t: torch.Tensor, item_shape: Sequence[int]) -> None:
+    """A shared-expert tensor: item_shape, or [1, *item_shape] (SPEC.md §1.2 rows 7-10)."""
+    if list(t.shape) not in (list(item_shape), [1, *item_shape]):
+        check.fail(OP, arg, f"shape {list(item_shape)} or {[1, *item_shape]}", list(t.shape))
+
+
+def validate(
+    x, expert_ids, gmm1_weight, gmm1_weight_scale, gmm2_weight, gmm2_weight_scale, expert_scales,
+    share_gmm1_weight, share_gmm1_weight_scale, share_gmm2_weight, share_gmm2_weight_scale,
+    expert_smooth_scales, share_smooth_scales, x_active_mask, gmm1_bias, gmm2_bias, share_gmm1_bias,
+    share_gmm2_bias, group_ep, ep_rank_size, ep_rank_id, moe_expert_num, quant_mode, global_bs,
+) -> Layout:
+    """Basic validation (SPEC.md §0.6) of everything knowable without reading tensor data, for
+    arguments of the schema's types (the dispatcher has checked those). Works on fake tensors."""
+    ranks, rank, experts, gbs = ep_rank_size, ep_rank_id, moe_expert_num, global_bs
+    if ranks <= 0:
+        check.fail(OP, "ep_rank_size", "> 0", ranks)
+    if not 0 <= rank < ranks:
+        check.fail(OP, "ep_rank_id", f"0 <= ep_rank_id < ep_rank_size ({ranks})", rank)
+    if experts <= 0 or experts % ranks:
+        check.fail(OP, "moe_expert_num", f"a positive multiple of ep_rank_size ({ranks})", experts)
+    if gbs < 0 or gbs % ranks:
+        check.fail(OP, "global_bs", f"0 or a positive multiple of ep_rank_size ({ranks})", gbs)
+    local_experts = experts // ranks
+
+    check.ndim(OP, "x", x, 2)
+    check.dtype(OP, "x", x, (torch.bfloat16, torch.float16))
+    batch, hidden = x.shape
+    check.ndim(OP, "expert_ids", expert_ids, 2)
+    check.dtype(OP, "expert_ids", expert_ids, (torch.int32,))
+    if expert_ids.shape[0] != batch:
+        check.fail(OP, "expert_ids", f"shape[0] == {batch} (x.shape[0], the batch)", list(expert_ids.shape))
+    topk = expert_ids.shape[1]
+    check.dtype(OP, "expert_scales", expert_scales, (torch.float32,))
+    check.shape(OP, "expert_scales", expert_scales, list(expert_ids.shape), "the shape of expert_ids")
+
+    if not gmm1_weight:
+        check.fail(OP, "gmm1_weight", "a tensor or a non-empty list of tensors", "an empty list")
+    if gmm1_weight[0].dtype == torch.int32:
+        raise NotImplementedError(
+            f"{OP}: W4A8 (int32-packed 'gmm1_weight') is not implemented on the CPU backend yet; use int8 weights (W8A8)"
+        )
+    width1 = gmm1_weight[0].shape[-1]
+    if width1 % 2:
+        check.fail(OP, "gmm1_weight", "an even last dimension 2*I (gate | up columns)", width1)
+    inter = width1 // 2
+    scale_dtypes = (torch.float32, x.dtype)
+    check.dtype(OP, "gmm1_weight[0]", gmm1_weight[0], (torch.int8,))
+    _container("gmm1_weight", gmm1_weight, (hidden, width1), local_experts)
+    s1_dtype = _container("gmm1_weight_scale", gmm1_weight_scale, (width1,), local_experts)
+    w2_dtype = _container("gmm2_weight", gmm2_weight, (inter, hidden), local_experts)
+    s2_dtype = _container("gmm2_weight_scale", gmm2_weight_scale, (hidden,), local_experts)
+    check.dtype(OP, "gmm1_weight_scale[0]", gmm1_weight_scale[0], scale_dtypes)
+    check.dtype(OP, "gmm2_weight[0]", gmm2_weight[0], (torch.int8,))
+    check.dtype(OP, "gmm2_weight_scale[0]", gmm2_weight_scale[0], scale_dtypes)
+    per_expert = len(gmm1_weight) > 1
+    for arg, items in (("gmm1_weight_scale", gmm1_weight_scale), ("gmm2_weight", gmm2_weight),
+                       ("gmm2_weight_scale", gmm2_weight_scale)):
+        if (len(items) > 1) != per_expert:
+            check.fail(OP, arg, f"the same container mode as gmm1_weight (a list of {len(gmm1_weight)})",
+                       f"a list of {len(items)}")
+
+    for arg, items in (("gmm1_bias", gmm1_bias), ("gmm2_bias", gmm2_bias)):
+        if items:
+            check.fail(OP, arg, "an empty list under W8A8 (biases are W4A8 compensation terms)", f"a list of {len(items)}")
+    for arg, value in (("share_gmm1_bias", share_gmm1_bias), ("share_gmm2_bias", share_gmm2_bias)):
+        if value is not None:
+            check.fail(OP, arg, "None under W8A8 (biases are W4A8 compensation terms)", "a tensor")
+
+    shared_args = {
+        "share_gmm1_weight": share_gmm1_weight,
+        "share_gmm1_weight_scale": share_gmm1_weight_scale,
+        "share_gmm2_weight": share_gmm2_weight,
+        "share_gmm2_weight_scale": share_gmm2_weight_scale,
+    }
+    present = [name for name, t in shared_args.items() if t is not None]
+    shared = bool(present)
+    share_inter = 0
+    if shared:
+        if len(present) != 4:
+            missing = [name for name in shared_args if name not in present]
+            check.fail(OP, missing[0], "a tensor: the four share_* weights and scales are given together",
+                       f"None while {present} are given")
+        share_width = share_gmm1_weight.shape[-1]
+        check.dtype(OP, "share_gmm1_weight", share_gmm1_weight, (torch.int8,))
+        if share_width % 2:
+            check.fail(OP, "share_gmm1_weight", "an even last dimension 2*Is", share_width)
+        share_inter = share_width // 2
+        _shared_tensor("share_gmm1_weight", share_gmm1_weight, (hidden, share_width))
+        _shared_tensor("share_gmm1_weight_scale", share_gmm1_weight_scale, (share_width,))
+        _shared_tensor("share_gmm2_weight", share_gmm2_weight, (share_inter, hidden))
+        _shared_tensor("share_gmm2_weight_scale", share_gmm2_weight_scale, (hidden,))
+        check.dtype(OP, "share_gmm2_weight", share_gmm2_weight, (torch.int8,))
+        check.dtype(OP, "share_gmm1_weight_scale", share_gmm1_weight_scale, (s1_dtype,))
+        check.dtype(OP, "share_gmm2_weight_scale", share_gmm2_weight_scale, (s2_dtype,))
+
+    smooth, share_smooth = expert_smooth_scales, share_smooth_scales
+    if smooth is not None:
+        check.dtype(OP, "expert_smooth_scales", smooth, (torch.float32,))
+        check.shape(OP, "expert_smooth_scales", smooth, [experts, hidden], "[moe_expert_num, H], by global expert id")
+        if shared and share_smooth is None:
+            check.fail(OP, "share_smooth_scales", "a float32 [H] tensor when expert_smooth_scales and a shared "
+                       "expert are given", None)
+    if share_smooth is not None:
+        check.dtype(OP, "share_smooth_scales", share_smooth, (torch.float32,))
+        check.shape(OP, "share_smooth_scales", share_smooth, [hidden], "[H]")
+    mask = x_active_mask
+    if mask is not None:
+        check.dtype(OP, "x_active_mask", mask, (torch.bool,))
+        check.shape(OP, "x_active_mask", mask, [batch], "[BS], 1-D")
+
+    tensors = {"expert_ids": expert_ids, "expert_scales": expert_scales, "expert_smooth_scales": smooth,
+               "share_smooth_scales": share_smooth, "x_active_mask": mask, **shared_args}
+    for name, items in (("gmm1_weight", gmm1_weight), ("gmm1_weight_scale", gmm1_weight_scale),
+                        ("gmm2_weight", gmm2_weight), ("gmm2_weight_scale", gmm2_weight_scale)):
+        tensors.update({f"{name}[{i}]": t for i, t in enumerate(items)})
+    for name, t in tensors.items():
+        if t is not None:
+            check.device(OP, name, t, x.device)
+    return Layout(batch, hidden, topk, local_experts, inter, shared, share_inter)
+
+
+def _check_expert_ids(expert_ids: torch.Tensor, experts: int) -> None:
+    """Routed ids must lie in [-1, moe_expert_num) (SPEC.md §1.7; upstream leaves >= E undefined)."""
+    if expert_ids.numel() == 0:
+        return
+    low, high = torch.aminmax(expert_ids)
+    low, high = int(low), int(high)
+    if low < -1 or high >= experts:
+        bad = low if low < -1 else high
+        check.fail(OP, "expert_ids", f"values in [-1, {experts}) (-1 skips a slot; moe_expert_num = {experts})",
+                   f"a value {bad} (min {low}, max {high})")
+
+
+def _fake(x, expert_ids, gmm1_weight, gmm1_weight_scale, gmm2_weight, gmm2_weight_scale, expert_scales,
+          share_gmm1_weight, share_gmm1_weight_scale, share_gmm2_weight, share_gmm2_weight_scale,
+          expert_smooth_scales, share_smooth_scales, x_active_mask, gmm1_bias, gmm2_bias, share_gmm1_bias,
+          share_gmm2_bias, group_ep, ep_rank_size, ep_rank_id, moe_expert_num, quant_mode, global_bs):
+    layout = validate(**locals())
+    return [
+        x.new_empty(x.shape),
+        x.new_empty(x.shape),
+        x.new_empty((layout.local_experts,), dtype=torch.int64),
+    ]
+
+
+def _cpu(x, expert_ids, gmm1_weight, gmm1_weight_scale, gmm2_weight, gmm2_weight_scale, expert_scales,
+         share_gmm1_weight, share_gmm1_weight_scale, share_gmm2_weight, share_gmm2_weight_scale,
+         expert_smooth_scales, share_smooth_scales, x_active_mask, gmm1_bias, gmm2_bias, share_gmm1_bias,
+         share_gmm2_bias, group_ep, ep_rank_size, ep_rank_id, moe_expert_num, quant_mode, global_bs):
+    layout = validate(**locals())
+    active = layout.batch if x_active_mask is None else int(x_active_mask.sum())
+    routed_ids = expert_ids[:active]
+    _check_expert_ids(routed_ids, moe_expert_num)
+    group = resolve_group(OP, group_ep, ep_rank_size, ep_rank_id) if ep_rank_size > 1 else None
+    kernels = cpu_kernels()
+    k = layout.topk
+    e_loc = layout.local_experts
+
+    # Routed (token, k) pairs of the active tokens, in t*K+k order, then stably sorted by global
+    # expert id: that groups them by destination rank and, within it, by local expert.
+    flat_ids = routed_ids.reshape(-1).to(torch.int64)
+    pair_pos = torch.nonzero(flat_ids >= 0).squeeze(1)
+    pair_expert, order = torch.sort(flat_ids[pair_pos], stable=True)
+    pair_pos = pair_pos[order]
+    pair_token = torch.div(pair_pos, max(k, 1), rounding_mode="floor")
+    smooth = expert_smooth_scales
+    q, q_scale = kernels.quantize_rows(x, smooth, pair_token, pair_expert if smooth is not None else None)
+    local_expert = pair_expert.remainder(e_loc)
+
+    if group is None:
+        recv_q, recv_scale, recv_expert = q, q_scale, local_expert
+    else:
+        send_counts = torch.bincount(torch.div(pair_expert, e_loc, rounding_mode="floor"), minlength=ep_rank_size)
+        recv_counts = _exchange.exchange_counts(send_counts, group, OP)
+        send_counts, recv_counts = send_counts.tolist(), recv_counts.tolist()
+        payload = torch.cat(
+            [q, q_scale.view(torch.int8).view(-1, 4), local_expert.to(torch.int32).view(torch.int8).view(-1, 4)], dim=1
+        )
+        recv = _exchange.all_to_all_rows(payload, send_counts, recv_counts, group, OP, "token dispatch")
+        h = layout.hidden
+        recv_q = recv[:, :h]
+        recv_scale = recv[:, h : h + 4].contiguous().view(torch.float32).view(-1)
+        recv_expert = recv[:, h + 4 :].contiguous().view(torch.int32).view(-1).to(torch.int64)
+
+    expert_token_nums = torch.bincount(recv_expert, minlength=e_loc)
+    if group is None:  # already grouped by local expert
+        y = kernels.expert_ffn_w8a8(recv_q, recv_scale, expert_token_nums.tolist(), gmm1_weight, gmm1_weight_scale,
+                                    gmm2_weight, gmm2_weight_scale, x.dtype)
+    else:
+        by_expert = torch.sort(recv_expert, stable=True).indices
+        y_grouped = kernels.expert_ffn_w8a8(recv_q[by_expert], recv_scale[by_expert], expert_token_nums.tolist(),
+                                            gmm1_weight, gmm1_weight_scale, gmm2_weight, gmm2_weight_scale, x.dtype)
+        y = torch.empty_like(y_grouped)
+        y[by_expert] = y_grouped
+        y = _exchange.all_to_all_rows(y, recv_counts, send_counts, group, OP, "result combine")
+
+    pair_rows = torch.full((layout.batch * k,), -1, dtype=torch.int64)
+    pair_rows[pair_pos] = torch.arange(pair_pos.numel())
+    output = kernels.combine(y, pair_rows.view(layout.batch, k), expert_scales, active)
+
+    if layout.shared:
+        share_smooth = share_smooth_scales.view(1, -1) if smooth is not None else None
+        sq, sq_scale = kernels.quantize_rows(
+            x, share_smooth, None, torch.zeros(layout.batch, dtype=torch.int64) if share_smooth is not None else None
+        )
+        share_output = kernels.expert_ffn_w8a8(sq, sq_scale, [layout.batch], [share_gmm1_weight],
+                                               [share_gmm1_weight_scale], [share_gmm2_weight],
+                                               [share_gmm2_weight_scale], x.dtype)
+    else:
+        share_output = torch.zeros_like(x)
+    return [output, share_output, expert_token_nums]
+
+
+torch.library.define(QUALNAME, SCHEMA)
+torch.library.register_fake(QUALNAME, _fake)
+torch.library.impl(QUALNAME, "CPU", _cpu)
+register_inference_only(QUALNAME)
+
+
+def _as_list(arg: str, value: Optional[TensorOrList]) -> List[torch.Tensor]:
+    """A weight container argument as the schema's Tensor[] (None -> [])."""
+    if value is None:
+        return []
+    items = [value] if isinstance(value, torch.Tensor) else value
+    if not isinstance(items, (list, tuple)):
+        check.fail(OP, arg, "a tensor or a list of tensors", type(value).__name__, TypeError)
+    for i, t in enumerate(items):
+        check.tensor(OP, f"{arg}[{i}]", t)
+    return list(items)
+
+
+def fused_deep_moe(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    gmm1_weight: TensorOrList,
+    gmm1_weight_scale: TensorOrList,
+    gmm2_weight: TensorOrList,
+    gmm2_weight_scale: TensorOrList,
+    expert_scales: torch.Tensor,
+    *,
+    share_gmm1_weight: Optional[torch.Tensor] = None,
+    share_gmm1_weight_scale: Optional[torch.Tensor] = None,
+    share_gmm2_weight: Optional[torch.Tensor] = None,
+    share_gmm2_weight_scale: Optional[torch.Tensor] = None,
+    expert_smooth_scales: Optional[torch.Tensor] = None,
+    share_smooth_scales: Optional[torch.Tensor] = None,
+    x_active_mask: Optional[torch.Tensor] = None,
+    gmm1_bias: Optional[TensorOrList] = None,
+    gmm2_bias: Optional[TensorOrList] = None,
+    share_gmm1_bias: Optional[torch.Tensor] = None,
+    share_gmm2_bias: Optional[torch.Tensor] = None,
+    group_ep: Union[str, "torch.distributed.ProcessGroup"],
+    ep_rank_size: int,
+    ep_rank_id: int,
+    moe_expert_num: int,
+    quant_mode: int = 0,
+    global_bs: int = 0,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expert-parallel MoE layer: dispatch, int8 GEMM, SwiGLU, requantise, int8 GEMM, combine.
+
+    Every rank of the EP group calls it with its own tokens and its own E_loc = E / R experts
+    (global expert g lives on rank g // E_loc). Shapes (BS tokens, hidden H, top-k K, I =
+    intermediate size; weight containers are one stacked tensor with a leading E_loc dimension
+    or a list of E_loc per-expert tensors):
+
+    Args:
+        x: [BS, H] bfloat16 or float16 tokens.
+        expert_ids: [BS, K] int32 global expert ids in [-1, E); -1 skips the slot.
+        gmm1_weight: [E_loc, H, 2I] int8, output columns [gate | up].
+        gmm1_weight_scale: [E_loc, 2I] float32 or x.dtype, per output column.
+        gmm2_weight: [E_loc, I, H] int8.
+        gmm2_weight_scale: [E_loc, H] float32 or x.dtype.
+        expert_scales: [BS, K] float32 combine weights.
+        share_gmm1_weight, share_gmm1_weight_scale, share_gmm2_weight, share_gmm2_weight_scale:
+            optional shared expert, [H, 2Is] / [2Is] / [Is, H] / [H] (a leading 1 is allowed);
+            applied locally to all BS tokens, result in share_output.
+        expert_smooth_scales: optional [E, H] float32 smooth-quant factors by global expert id.
+        share_smooth_scales: [H] float32; required with expert_smooth_scales and a shared expert,
+            ignored without expert_smooth_scales (as upstream).
+        x_active_mask: optional [BS] bool; the first sum(mask) tokens are active (True must
+            precede False); inactive tokens are not dispatched and their output rows are zero.
+        gmm1_bias, gmm2_bias, share_gmm1_bias, share_gmm2_bias: W4A8 only; must be empty/None.
+        group_ep: the EP process group, or its name (ProcessGroup.group_name, a name given to
+            cam_jit.register_group, or "" for the default group). Unused when ep_rank_size == 1.
+        ep_rank_size: R, ranks in the EP group. ep_rank_id: this rank's index in it.
+        moe_expert_num: E, total routed experts, a multiple of R.
+        quant_mode: reserved, 0. global_bs: 0 (equal batches) or max_r(BS_r) * R.
+
+    Returns:
+        (output [BS, H] x.dtype: weighted combine of the routed experts (no shared expert),
+         share_output [BS, H] x.dtype: shared-expert output, zeros without a shared expert,
+         expert_token_nums [E_loc] int64: (token, k) pairs this rank's experts received).
+    """
+    for arg, value in (("x", x), ("expert_ids", expert_ids), ("expert_scales", expert_scales)):
+        check.tensor(OP, arg, value)
+    for arg, value in (("share_gmm1_weight", share_gmm1_weight), ("share_gmm1_weight_scale", share_gmm1_weight_scale),
+                       ("share_gmm2_weight", share_gmm2_weight), ("share_gmm2_weight_scale", share_gmm2_weight_scale),
+                       ("expert_smooth_scales", expert_smooth_scales), ("share_smooth_scales", share_smooth_scales),
+                       ("x_active_mask", x_active_mask), ("share_gmm1_bias", share_gmm1_bias),
+                       ("share_gmm2_bias", share_gmm2_bias)):
+        check.optional_tensor(OP, arg, value)
+    for arg, value in (("ep_rank_size", ep_rank_size), ("ep_rank_id", ep_rank_id), ("moe_expert_num", moe_expert_num),
+                       ("quant_mode", quant_mode), ("global_bs", global_bs)):
+        check.integer(OP, arg, value)
+    result = torch.ops.cam_jit.fused_deep_moe(
+        x, expert_ids,
+        _as_list("gmm1_weight", gmm1_weight), _as_list("gmm1_weight_scale", gmm1_weight_scale),
+        _as_list("gmm2_weight", gmm2_weight), _as_list("gmm2_weight_scale", gmm2_weight_scale),
+        expert_scales, share_gmm1_weight, share_gmm1_weight_scale, share_gmm2_weight, share_gmm2_weight_scale,
+        expert_smooth_scales, share_smooth_scales, x_active_mask,
+        _as_list("gmm1_bias", gmm1_bias), _as_list("gmm2_bias", gmm2_bias), share_gmm1_bias, share_gmm2_bias,
+        group_ep_name(OP, group_ep), ep_rank_size, ep_rank_id, moe_expert_num, quant_mode, global_bs,
+    )
+    return tuple(result)

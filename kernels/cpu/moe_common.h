@@ -1,0 +1,49 @@
+// Shared helpers of the CPU MoE kernels (namespace _cam_jit_cpu).
+//
+// Numerical contract: SPEC.md §1.8. Every float operation below is a single IEEE float32
+// operation; the build passes -ffp-contract=off so the compiler never fuses a multiply and an add.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace cam_jit_cpu {
+
+// The [K_in, N] matrix (item_dim == 2) or [N] vector (item_dim == 1) of local expert `e` in a
+// weight container: one stacked tensor with a leading expert dimension, one un-stacked tensor
+// (single local expert), or one tensor per expert (SPEC.md §1.3).
+inline at::Tensor expert_item(at::TensorList container, int64_t e, int64_t item_dim) {
+  if (container.size() == 1) {
+    const at::Tensor& only = container[0];
+    return only.dim() == item_dim + 1 ? only.select(0, e) : only;
+  }
+  return container[e];
+}
+
+// Round-half-to-even to an int8 quantisation level. Python has validated finite inputs for the
+// normal path; a NaN (from non-finite activations) becomes 0 instead of undefined behaviour, and
+// the NaN still reaches the output through the row scale.
+inline int8_t round_to_int8(float v) {
+  float r = std::nearbyint(v);
+  if (std::isnan(r)) return 0;
+  r = r > 127.f ? 127.f : (r < -127.f ? -127.f : r);
+  return static_cast<int8_t>(r);
+}
+
+// max(|v|) that propagates NaN, so non-finite activations end as NaN outputs instead of being
+// silently dropped from the row maximum.
+inline float abs_max(float running, float v) {
+  const float a = std::fabs(v);
+  return (a > running || std::isnan(a)) && !std::isnan(running) ? a : running;
+}
+
+inline void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), "_cam_jit_cpu: ", name, " must be a CPU tensor, got ", t.device());
+}
+
+}  // namespace cam_jit_cpu

@@ -1,0 +1,157 @@
+// Token-side kernels of fused_deep_moe on CPU: dispatch quantisation and the weighted combine.
+#include "moe_common.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
+#include <tuple>
+#include <vector>
+
+namespace cam_jit_cpu {
+namespace {
+
+// SPEC.md §1.8 step 1 for `n` output rows. Output row i quantises x[x_index[i]] (or x[i]),
+// multiplied element-wise by smooth_scales[smooth_index[i]] (or smooth_scales[i]) when given.
+std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x,
+                                                 const c10::optional<at::Tensor>& smooth_scales,
+                                                 const c10::optional<at::Tensor>& x_index,
+                                                 const c10::optional<at::Tensor>& smooth_index) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2, "_cam_jit_cpu::quantize_rows: x must be 2-D, got ", x.sizes());
+  const int64_t hidden = x.size(1);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor xi, sm, si;
+  if (x_index.has_value()) {
+    xi = x_index->to(at::kLong).contiguous();
+  }
+  if (smooth_scales.has_value()) {
+    sm = smooth_scales->contiguous();
+    TORCH_CHECK(sm.scalar_type() == at::kFloat && sm.dim() == 2 && sm.size(1) == hidden,
+                "_cam_jit_cpu::quantize_rows: smooth_scales must be float32 [*, ", hidden, "]");
+    if (smooth_index.has_value()) {
+      si = smooth_index->to(at::kLong).contiguous();
+    }
+  }
+  const int64_t rows = xi.defined() ? xi.numel() : xc.size(0);
+  TORCH_CHECK(!si.defined() || si.numel() == rows, "_cam_jit_cpu::quantize_rows: smooth_index length");
+  TORCH_CHECK(!sm.defined() || si.defined() || sm.size(0) == rows,
+              "_cam_jit_cpu::quantize_rows: smooth_scales rows must match the output rows");
+
+  at::Tensor q = at::empty({rows, hidden}, xc.options().dtype(at::kChar));
+  at::Tensor scale = at::empty({rows}, xc.options().dtype(at::kFloat));
+  int8_t* q_ptr = q.data_ptr<int8_t>();
+  float* scale_ptr = scale.data_ptr<float>();
+  const int64_t* xi_ptr = xi.defined() ? xi.data_ptr<int64_t>() : nullptr;
+  const int64_t* si_ptr = si.defined() ? si.data_ptr<int64_t>() : nullptr;
+  const float* sm_ptr = sm.defined() ? sm.data_ptr<float>() : nullptr;
+  const int64_t x_rows = xc.size(0);
+  const int64_t sm_rows = sm.defined() ? sm.size(0) : 0;
+
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(xc.scalar_type(), "quantize_rows", [&] {
+    const scalar_t* x_ptr = xc.data_ptr<scalar_t>();
+    const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(hidden, 1));
+    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+      std::vector<float> v(hidden);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t src = xi_ptr ? xi_ptr[i] : i;
+        TORCH_CHECK(src >= 0 && src < x_rows, "_cam_jit_cpu::quantize_rows: x_index out of range");
+        const scalar_t* xr = x_ptr + src * hidden;
+        float amax = 0.f;
+        if (sm_ptr) {
+          const int64_t s = si_ptr ? si_ptr[i] : i;
+          TORCH_CHECK(s >= 0 && s < sm_rows, "_cam_jit_cpu::quantize_rows: smooth_index out of range");
+          const float* sr = sm_ptr + s * hidden;
+          for (int64_t j = 0; j < hidden; ++j) {
+            v[j] = static_cast<float>(xr[j]) * sr[j];
+            amax = abs_max(amax, v[j]);
+          }
+        } else {
+          for (int64_t j = 0; j < hidden; ++j) {
+            v[j] = static_cast<float>(xr[j]);
+            amax = abs_max(amax, v[j]);
+          }
+        }
+        int8_t* qr = q_ptr + i * hidden;
+        const float s_q = 127.f / amax;
+        if (std::isinf(s_q)) {  // amax 0 or subnormal, SPEC.md §1.11: zero row, zero scale, never NaN
+          std::fill(qr, qr + hidden, int8_t{0});
+          scale_ptr[i] = 0.f;
+          continue;
+        }
+        for (int64_t j = 0; j < hidden; ++j) {
+          qr[j] = round_to_int8(v[j] * s_q);
+        }
+        scale_ptr[i] = 1.f / s_q;
+      }
+    });
+  });
+  return {q, scale};
+}
+
+// SPEC.md §1.8 step 5. y holds one expert result per routed pair; pair_rows[t, k] is the row of
+// y for pair (t, k), or -1 for a skipped pair. Rows t >= active_count are zero.
+at::Tensor combine(const at::Tensor& y, const at::Tensor& pair_rows, const at::Tensor& weights,
+                   int64_t active_count) {
+  check_cpu(y, "y");
+  TORCH_CHECK(y.dim() == 2, "_cam_jit_cpu::combine: y must be 2-D, got ", y.sizes());
+  TORCH_CHECK(pair_rows.dim() == 2 && pair_rows.sizes() == weights.sizes(),
+              "_cam_jit_cpu::combine: pair_rows ", pair_rows.sizes(), " and weights ", weights.sizes(),
+              " must be equal 2-D shapes");
+  TORCH_CHECK(weights.scalar_type() == at::kFloat, "_cam_jit_cpu::combine: weights must be float32");
+  const int64_t batch = pair_rows.size(0);
+  const int64_t topk = pair_rows.size(1);
+  const int64_t hidden = y.size(1);
+  const int64_t y_rows = y.size(0);
+  TORCH_CHECK(active_count >= 0 && active_count <= batch, "_cam_jit_cpu::combine: active_count ",
+              active_count, " outside [0, ", batch, "]");
+  const at::Tensor yc = y.contiguous();
+  const at::Tensor pr = pair_rows.to(at::kLong).contiguous();
+  const at::Tensor wc = weights.contiguous();
+  at::Tensor out = at::zeros({batch, hidden}, yc.options());
+  const int64_t* pr_ptr = pr.data_ptr<int64_t>();
+  const float* w_ptr = wc.data_ptr<float>();
+
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(yc.scalar_type(), "combine", [&] {
+    const scalar_t* y_ptr = yc.data_ptr<scalar_t>();
+    scalar_t* out_ptr = out.data_ptr<scalar_t>();
+    const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(hidden * std::max<int64_t>(topk, 1), 1));
+    at::parallel_for(0, active_count, grain, [&](int64_t begin, int64_t end) {
+      std::vector<float> acc(hidden);
+      for (int64_t t = begin; t < end; ++t) {
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t k = 0; k < topk; ++k) {
+          const int64_t row = pr_ptr[t * topk + k];
+          if (row < 0) continue;
+          TORCH_CHECK(row < y_rows, "_cam_jit_cpu::combine: pair row ", row, " >= ", y_rows);
+          const float w = w_ptr[t * topk + k];
+          const scalar_t* yr = y_ptr + row * hidden;
+          for (int64_t j = 0; j < hidden; ++j) {
+            const float p = static_cast<float>(yr[j]) * w;
+            acc[j] = acc[j] + p;
+          }
+        }
+        scalar_t* orow = out_ptr + t * hidden;
+        for (int64_t j = 0; j < hidden; ++j) {
+          orow[j] = static_cast<scalar_t>(acc[j]);
+        }
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace cam_jit_cpu
+
+TORCH_LIBRARY_FRAGMENT(_cam_jit_cpu, m) {
+  m.def("quantize_rows(Tensor x, Tensor? smooth_scales, Tensor? x_index, Tensor? smooth_index) -> (Tensor, Tensor)");
+  m.def("combine(Tensor y, Tensor pair_rows, Tensor weights, int active_count) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(_cam_jit_cpu, CPU, m) {
+  m.impl("quantize_rows", &cam_jit_cpu::quantize_rows);
+  m.impl("combine", &cam_jit_cpu::combine);
+}

@@ -1,0 +1,148 @@
+"""Bad inputs to cam_jit.fused_deep_moe: each raises the right exception naming the argument,
+the expected value and the actual value. Validation runs before any kernel is needed."""
+import pytest
+import torch
+
+import cam_jit
+
+BS, H, I, E, K = 4, 64, 32, 4, 2
+
+
+def good_args():
+    gen = torch.Generator().manual_seed(0)
+    return dict(
+        x=torch.randn(BS, H, generator=gen).to(torch.bfloat16),
+        expert_ids=torch.tensor([[0, 1], [2, 3], [1, -1], [3, 2]], dtype=torch.int32),
+        gmm1_weight=torch.randint(-127, 128, (E, H, 2 * I), dtype=torch.int8, generator=gen),
+        gmm1_weight_scale=torch.full((E, 2 * I), 1e-3),
+        gmm2_weight=torch.randint(-127, 128, (E, I, H), dtype=torch.int8, generator=gen),
+        gmm2_weight_scale=torch.full((E, H), 1e-3),
+        expert_scales=torch.full((BS, K), 0.5),
+        group_ep="",
+        ep_rank_size=1,
+        ep_rank_id=0,
+        moe_expert_num=E,
+    )
+
+
+def shared(**over):
+    base = dict(
+        share_gmm1_weight=torch.zeros(H, 2 * I, dtype=torch.int8),
+        share_gmm1_weight_scale=torch.ones(2 * I),
+        share_gmm2_weight=torch.zeros(I, H, dtype=torch.int8),
+        share_gmm2_weight_scale=torch.ones(H),
+    )
+    base.update(over)
+    return base
+
+
+# (case id, overrides, exception, fragments the message must contain)
+CASES = [
+    ("x-not-tensor", dict(x=[[1.0]]), TypeError, ["'x'", "torch.Tensor", "list"]),
+    ("x-3d", dict(x=torch.zeros(BS, H, 1, dtype=torch.bfloat16)), ValueError, ["'x'", "2-D", "3-D"]),
+    ("x-float32", dict(x=torch.zeros(BS, H)), TypeError, ["'x'", "bfloat16 or float16", "float32"]),
+    ("ids-int64", dict(expert_ids=torch.zeros(BS, K, dtype=torch.int64)), TypeError, ["'expert_ids'", "int32", "int64"]),
+    ("ids-1d", dict(expert_ids=torch.zeros(BS, dtype=torch.int32)), ValueError, ["'expert_ids'", "2-D", "1-D"]),
+    ("ids-batch", dict(expert_ids=torch.zeros(BS + 1, K, dtype=torch.int32)), ValueError,
+     ["'expert_ids'", f"shape[0] == {BS}", str([BS + 1, K])]),
+    ("ids-too-big", dict(expert_ids=torch.full((BS, K), E, dtype=torch.int32)), ValueError,
+     ["'expert_ids'", f"[-1, {E})", f"a value {E}"]),
+    ("ids-below-minus-one", dict(expert_ids=torch.full((BS, K), -2, dtype=torch.int32)), ValueError,
+     ["'expert_ids'", f"[-1, {E})", "a value -2"]),
+    ("scales-dtype", dict(expert_scales=torch.zeros(BS, K, dtype=torch.float16)), TypeError,
+     ["'expert_scales'", "float32", "float16"]),
+    ("scales-shape", dict(expert_scales=torch.zeros(BS, K + 1)), ValueError,
+     ["'expert_scales'", str([BS, K]), str([BS, K + 1])]),
+    ("w1-not-list", dict(gmm1_weight=3), TypeError, ["'gmm1_weight'", "tensor", "int"]),
+    ("w1-dtype", dict(gmm1_weight=torch.zeros(E, H, 2 * I)), TypeError, ["'gmm1_weight[0]'", "int8", "float32"]),
+    ("w1-hidden", dict(gmm1_weight=torch.zeros(E, H + 1, 2 * I, dtype=torch.int8)), ValueError,
+     ["'gmm1_weight[0]'", str([E, H, 2 * I]), str([E, H + 1, 2 * I])]),
+    ("w1-experts", dict(gmm1_weight=torch.zeros(E - 1, H, 2 * I, dtype=torch.int8)), ValueError,
+     ["'gmm1_weight[0]'", str([E, H, 2 * I]), str([E - 1, H, 2 * I])]),
+    ("w1-odd-width", dict(gmm1_weight=torch.zeros(E, H, 2 * I + 1, dtype=torch.int8)), ValueError,
+     ["'gmm1_weight'", "even", str(2 * I + 1)]),
+    ("w1-2d-with-many-experts", dict(gmm1_weight=torch.zeros(H, 2 * I, dtype=torch.int8)), ValueError,
+     ["'gmm1_weight[0]'", "stacked 3-D", "2-D"]),
+    ("w1-list-length", dict(gmm1_weight=[torch.zeros(H, 2 * I, dtype=torch.int8)] * (E - 1)), ValueError,
+     ["'gmm1_weight'", f"{E} per-expert tensors", f"a list of {E - 1}"]),
+    ("w1-list-item-shape",
+     dict(gmm1_weight=[torch.zeros(H, 2 * I, dtype=torch.int8)] * (E - 1) + [torch.zeros(H, 2, dtype=torch.int8)]),
+     ValueError, [f"'gmm1_weight[{E - 1}]'", str([H, 2 * I]), str([H, 2])]),
+    ("w1-w4a8", dict(gmm1_weight=torch.zeros(E, H, 2 * I // 8, dtype=torch.int32)), NotImplementedError,
+     ["W4A8", "gmm1_weight"]),
+    ("s1-length", dict(gmm1_weight_scale=torch.ones(E, 2 * I - 1)), ValueError,
+     ["'gmm1_weight_scale[0]'", str([E, 2 * I]), str([E, 2 * I - 1])]),
+    ("s1-dtype", dict(gmm1_weight_scale=torch.ones(E, 2 * I, dtype=torch.float16)), TypeError,
+     ["'gmm1_weight_scale[0]'", "float32 or bfloat16", "float16"]),
+    ("s1-mode", dict(gmm1_weight=list(torch.zeros(E, H, 2 * I, dtype=torch.int8).unbind(0))), ValueError,
+     ["'gmm1_weight_scale'", "same container mode", "a list of 1"]),
+    ("w2-inter", dict(gmm2_weight=torch.zeros(E, I + 2, H, dtype=torch.int8)), ValueError,
+     ["'gmm2_weight[0]'", str([E, I, H]), str([E, I + 2, H])]),
+    ("w2-dtype", dict(gmm2_weight=torch.zeros(E, I, H, dtype=torch.int32)), TypeError,
+     ["'gmm2_weight[0]'", "int8", "int32"]),
+    ("s2-length", dict(gmm2_weight_scale=torch.ones(E, H + 1)), ValueError,
+     ["'gmm2_weight_scale[0]'", str([E, H]), str([E, H + 1])]),
+    ("s2-mixed-dtypes", dict(gmm2_weight_scale=[torch.ones(H)] * (E - 1) + [torch.ones(H, dtype=torch.bfloat16)],
+                             gmm2_weight=list(torch.zeros(E, I, H, dtype=torch.int8).unbind(0)),
+                             gmm1_weight=list(torch.zeros(E, H, 2 * I, dtype=torch.int8).unbind(0)),
+                             gmm1_weight_scale=list(torch.ones(E, 2 * I).unbind(0))),
+     TypeError, ["'gmm2_weight_scale'", "one dtype", "bfloat16", "float32"]),
+    ("bias-under-w8a8", dict(gmm1_bias=[torch.zeros(E, 2 * I)]), ValueError, ["'gmm1_bias'", "empty", "a list of 1"]),
+    ("share-bias-under-w8a8", dict(share_gmm2_bias=torch.zeros(H)), ValueError, ["'share_gmm2_bias'", "None"]),
+    ("share-partial", dict(share_gmm1_weight=torch.zeros(H, 2 * I, dtype=torch.int8)), ValueError,
+     ["'share_gmm1_weight_scale'", "together", "None"]),
+    ("share-w1-shape", shared(share_gmm1_weight=torch.zeros(2, H, 2 * I, dtype=torch.int8)), ValueError,
+     ["'share_gmm1_weight'", str([1, H, 2 * I]), str([2, H, 2 * I])]),
+    ("share-w2-shape", shared(share_gmm2_weight=torch.zeros(I + 1, H, dtype=torch.int8)), ValueError,
+     ["'share_gmm2_weight'", str([I, H]), str([I + 1, H])]),
+    ("share-scale-dtype", shared(share_gmm1_weight_scale=torch.ones(2 * I, dtype=torch.bfloat16)), TypeError,
+     ["'share_gmm1_weight_scale'", "float32", "bfloat16"]),
+    ("smooth-shape", dict(expert_smooth_scales=torch.ones(E, H + 1)), ValueError,
+     ["'expert_smooth_scales'", str([E, H]), str([E, H + 1])]),
+    ("smooth-dtype", dict(expert_smooth_scales=torch.ones(E, H, dtype=torch.float64)), TypeError,
+     ["'expert_smooth_scales'", "float32", "float64"]),
+    ("share-smooth-missing", dict(expert_smooth_scales=torch.ones(E, H), **shared()), ValueError,
+     ["'share_smooth_scales'", "float32 [H]", "None"]),
+    ("mask-dtype", dict(x_active_mask=torch.ones(BS, dtype=torch.int32)), TypeError,
+     ["'x_active_mask'", "bool", "int32"]),
+    ("mask-shape", dict(x_active_mask=torch.ones(BS, 1, dtype=torch.bool)), ValueError,
+     ["'x_active_mask'", str([BS]), str([BS, 1])]),
+    ("group-not-str", dict(group_ep=5), TypeError, ["'group_ep'", "int"]),
+    ("rank-size-zero", dict(ep_rank_size=0), ValueError, ["'ep_rank_size'", "> 0", "got 0"]),
+    ("rank-id-range", dict(ep_rank_id=1), ValueError, ["'ep_rank_id'", "ep_rank_size (1)", "got 1"]),
+    ("rank-id-type", dict(ep_rank_id=0.0), TypeError, ["'ep_rank_id'", "an int", "float"]),
+    ("experts-not-multiple", dict(ep_rank_size=3, ep_rank_id=0), ValueError,
+     ["'moe_expert_num'", "multiple of ep_rank_size (3)", f"got {E}"]),
+    ("global-bs-negative", dict(global_bs=-2), ValueError, ["'global_bs'", "multiple of ep_rank_size", "got -2"]),
+    ("quant-mode-type", dict(quant_mode="0"), TypeError, ["'quant_mode'", "an int", "str"]),
+    ("device", dict(expert_scales=torch.full((BS, K), 0.5, device="meta")), ValueError,
+     ["'expert_scales'", "cpu", "meta"]),
+    ("group-unknown", dict(group_ep="no-such-group", ep_rank_size=2, ep_rank_id=0, moe_expert_num=2 * E), ValueError,
+     ["'group_ep'", "process group", "'no-such-group'"]),
+]
+
+
+@pytest.mark.parametrize("overrides,exc,fragments", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_argument(overrides, exc, fragments):
+    args = good_args()
+    args.update(overrides)
+    with pytest.raises(exc) as info:
+        cam_jit.fused_deep_moe(**args)
+    message = str(info.value)
+    assert message.startswith("fused_deep_moe"), message
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+def test_good_arguments_pass_validation():
+    """The baseline of the table is valid, so each case above fails for its own override only."""
+    out, share_out, counts = cam_jit.fused_deep_moe(**good_args())
+    assert out.shape == (BS, H) and share_out.shape == (BS, H) and counts.tolist() == [1, 2, 2, 2]
+
+
+def test_backward_is_refused():
+    args = good_args()
+    args["x"] = args["x"].requires_grad_(True)
+    out, _, _ = cam_jit.fused_deep_moe(**args)
+    with pytest.raises(RuntimeError, match="inference-only"):
+        out.float().sum().backward()
