@@ -14,6 +14,7 @@ import torch
 from cam_jit.ops import _checks as check
 from cam_jit.ops import _exchange
 from cam_jit.ops._kernels import cpu_kernels, register_inference_only
+from cam_jit.ops._strict import strict_enabled
 from cam_jit.ops.groups import group_ep_name, resolve_group
 
 OP = "fused_deep_moe"
@@ -337,6 +338,7 @@ def fused_deep_moe(
     moe_expert_num: int,
     quant_mode: int = 0,
     global_bs: int = 0,
+    strict: Optional[bool] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Expert-parallel MoE layer: dispatch, int8 GEMM, SwiGLU, requantise, int8 GEMM, combine.
 
@@ -367,6 +369,8 @@ def fused_deep_moe(
         ep_rank_size: R, ranks in the EP group. ep_rank_id: this rank's index in it.
         moe_expert_num: E, total routed experts, a multiple of R.
         quant_mode: reserved, 0. global_bs: 0 (equal batches) or max_r(BS_r) * R.
+        strict: also apply the NPU kernel's own limits (SPEC.md §7.5), so that what the NPU would
+            reject fails here too; None follows cam_jit.set_strict / CAM_JIT_STRICT.
 
     Returns:
         (output [BS, H] x.dtype: weighted combine of the routed experts (no shared expert),
@@ -384,13 +388,23 @@ def fused_deep_moe(
     for arg, value in (("ep_rank_size", ep_rank_size), ("ep_rank_id", ep_rank_id), ("moe_expert_num", moe_expert_num),
                        ("quant_mode", quant_mode), ("global_bs", global_bs)):
         check.integer(OP, arg, value)
-    result = torch.ops.cam_jit.fused_deep_moe(
-        x, expert_ids,
-        _as_list("gmm1_weight", gmm1_weight), _as_list("gmm1_weight_scale", gmm1_weight_scale),
-        _as_list("gmm2_weight", gmm2_weight), _as_list("gmm2_weight_scale", gmm2_weight_scale),
-        expert_scales, share_gmm1_weight, share_gmm1_weight_scale, share_gmm2_weight, share_gmm2_weight_scale,
-        expert_smooth_scales, share_smooth_scales, x_active_mask,
-        _as_list("gmm1_bias", gmm1_bias), _as_list("gmm2_bias", gmm2_bias), share_gmm1_bias, share_gmm2_bias,
-        group_ep_name(OP, group_ep), ep_rank_size, ep_rank_id, moe_expert_num, quant_mode, global_bs,
+    args = dict(
+        x=x, expert_ids=expert_ids,
+        gmm1_weight=_as_list("gmm1_weight", gmm1_weight),
+        gmm1_weight_scale=_as_list("gmm1_weight_scale", gmm1_weight_scale),
+        gmm2_weight=_as_list("gmm2_weight", gmm2_weight),
+        gmm2_weight_scale=_as_list("gmm2_weight_scale", gmm2_weight_scale),
+        expert_scales=expert_scales, share_gmm1_weight=share_gmm1_weight,
+        share_gmm1_weight_scale=share_gmm1_weight_scale, share_gmm2_weight=share_gmm2_weight,
+        share_gmm2_weight_scale=share_gmm2_weight_scale, expert_smooth_scales=expert_smooth_scales,
+        share_smooth_scales=share_smooth_scales, x_active_mask=x_active_mask,
+        gmm1_bias=_as_list("gmm1_bias", gmm1_bias), gmm2_bias=_as_list("gmm2_bias", gmm2_bias),
+        share_gmm1_bias=share_gmm1_bias, share_gmm2_bias=share_gmm2_bias,
+        group_ep=group_ep_name(OP, group_ep), ep_rank_size=ep_rank_size, ep_rank_id=ep_rank_id,
+        moe_expert_num=moe_expert_num, quant_mode=quant_mode, global_bs=global_bs,
     )
-    return tuple(result)
+    if strict_enabled(strict):
+        from cam_jit.ops.fused_deep_moe_strict import check_strict
+
+        check_strict(args)
+    return tuple(torch.ops.cam_jit.fused_deep_moe(**args))
