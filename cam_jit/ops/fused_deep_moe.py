@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 
 from cam_jit.ops import _checks as check
-from cam_jit.ops import _exchange
+from cam_jit.ops import _moe_cpu
 from cam_jit.ops._kernels import cpu_kernels, register_inference_only
 from cam_jit.ops._strict import strict_enabled
 from cam_jit.ops.groups import group_ep_name, resolve_group
@@ -236,50 +236,19 @@ def _cpu(x, expert_ids, gmm1_weight, gmm1_weight_scale, gmm2_weight, gmm2_weight
     _check_expert_ids(routed_ids, moe_expert_num)
     group = resolve_group(OP, group_ep, ep_rank_size, ep_rank_id) if ep_rank_size > 1 else None
     kernels = cpu_kernels()
-    k = layout.topk
-    e_loc = layout.local_experts
-
-    # Routed (token, k) pairs of the active tokens, in t*K+k order, then stably sorted by global
-    # expert id: that groups them by destination rank and, within it, by local expert.
-    flat_ids = routed_ids.reshape(-1).to(torch.int64)
-    pair_pos = torch.nonzero(flat_ids >= 0).squeeze(1)
-    pair_expert, order = torch.sort(flat_ids[pair_pos], stable=True)
-    pair_pos = pair_pos[order]
-    pair_token = torch.div(pair_pos, max(k, 1), rounding_mode="floor")
+    route = _moe_cpu.plan_route(OP, expert_ids, active, layout.local_experts, group)
     smooth = expert_smooth_scales
-    q, q_scale = kernels.quantize_rows(x, smooth, pair_token, pair_expert if smooth is not None else None)
-    local_expert = pair_expert.remainder(e_loc)
-
-    if group is None:
-        recv_q, recv_scale, recv_expert = q, q_scale, local_expert
-    else:
-        send_counts = torch.bincount(torch.div(pair_expert, e_loc, rounding_mode="floor"), minlength=ep_rank_size)
-        recv_counts = _exchange.exchange_counts(send_counts, group, OP)
-        send_counts, recv_counts = send_counts.tolist(), recv_counts.tolist()
-        payload = torch.cat(
-            [q, q_scale.view(torch.int8).view(-1, 4), local_expert.to(torch.int32).view(torch.int8).view(-1, 4)], dim=1
-        )
-        recv = _exchange.all_to_all_rows(payload, send_counts, recv_counts, group, OP, "token dispatch")
-        h = layout.hidden
-        recv_q = recv[:, :h]
-        recv_scale = recv[:, h : h + 4].contiguous().view(torch.float32).view(-1)
-        recv_expert = recv[:, h + 4 :].contiguous().view(torch.int32).view(-1).to(torch.int64)
-
-    expert_token_nums = torch.bincount(recv_expert, minlength=e_loc)
-    if group is None:  # already grouped by local expert
-        y = kernels.expert_ffn_w8a8(recv_q, recv_scale, expert_token_nums.tolist(), gmm1_weight, gmm1_weight_scale,
-                                    gmm2_weight, gmm2_weight_scale, x.dtype)
-    else:
-        by_expert = torch.sort(recv_expert, stable=True).indices
-        y_grouped = kernels.expert_ffn_w8a8(recv_q[by_expert], recv_scale[by_expert], expert_token_nums.tolist(),
-                                            gmm1_weight, gmm1_weight_scale, gmm2_weight, gmm2_weight_scale, x.dtype)
-        y = torch.empty_like(y_grouped)
-        y[by_expert] = y_grouped
-        y = _exchange.all_to_all_rows(y, recv_counts, send_counts, group, OP, "result combine")
-
-    pair_rows = torch.full((layout.batch * k,), -1, dtype=torch.int64)
-    pair_rows[pair_pos] = torch.arange(pair_pos.numel())
-    output = kernels.combine(y, pair_rows.view(layout.batch, k), expert_scales, active)
+    q, q_scale = kernels.quantize_rows(x, smooth, route.token, route.expert if smooth is not None else None)
+    received = _moe_cpu.send_rows(OP, route, q, q_scale, layout.local_experts)
+    expert_token_nums = torch.bincount(received.local_expert, minlength=layout.local_experts)
+    by_expert = torch.sort(received.local_expert, stable=True).indices
+    y_grouped = kernels.expert_ffn_w8a8(received.rows[by_expert], received.scale[by_expert],
+                                        expert_token_nums.tolist(), gmm1_weight, gmm1_weight_scale, gmm2_weight,
+                                        gmm2_weight_scale, x.dtype)
+    y = torch.empty_like(y_grouped)
+    y[by_expert] = y_grouped
+    y = _moe_cpu.return_rows(OP, route, y)
+    output = kernels.combine(y, _moe_cpu.pair_rows(route, layout.batch, layout.topk), expert_scales, active)
 
     if layout.shared:
         share_smooth = share_smooth_scales.view(1, -1) if smooth is not None else None

@@ -1,0 +1,102 @@
+"""The CPU expert-parallel data path shared by fused_deep_moe and the low-latency
+dispatch/combine ops: route (token, k) pairs to the ranks owning their experts, send their
+(quantised) rows there, send expert results back, combine (SPEC.md §1.8 steps 1 and 5, §1.12).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from cam_jit.ops import _exchange
+
+
+@dataclasses.dataclass
+class Route:
+    """The routed pairs of this rank's active tokens, sorted stably by global expert id (so by
+    destination rank, then local expert, then t*K+k). P pairs, R ranks."""
+
+    pos: torch.Tensor  # [P] int64, t*K + k
+    token: torch.Tensor  # [P] int64, t
+    expert: torch.Tensor  # [P] int64, global expert id
+    send_counts: List[int]  # [R] pairs to each rank
+    recv_counts: List[int]  # [R] pairs from each rank
+    group: Optional["dist.ProcessGroup"]  # None: one rank, nothing leaves the process
+
+
+@dataclasses.dataclass
+class Received:
+    """Rows that arrived at this rank's experts, grouped by source rank in rank order, each
+    source's rows in its route order. M rows."""
+
+    rows: torch.Tensor  # [M, H] int8 (quantised) or x.dtype
+    scale: Optional[torch.Tensor]  # [M] float32 dequantisation scale, None if not quantised
+    local_expert: torch.Tensor  # [M] int64
+    source_rank: torch.Tensor  # [M] int64
+    source_pos: torch.Tensor  # [M] int64, t*K + k on the source rank
+
+
+def plan_route(op: str, expert_ids: torch.Tensor, active: int, local_experts: int,
+               group: Optional["dist.ProcessGroup"]) -> Route:
+    """Routes the first `active` rows of expert_ids [BS, K] (ids < 0 are skipped) and, with a
+    group, exchanges the per-rank pair counts."""
+    topk = expert_ids.shape[1]
+    flat = expert_ids[:active].reshape(-1).to(torch.int64)
+    pos = torch.nonzero(flat >= 0).squeeze(1)
+    expert, order = torch.sort(flat[pos], stable=True)
+    pos = pos[order]
+    token = torch.div(pos, max(topk, 1), rounding_mode="floor")
+    if group is None:
+        return Route(pos, token, expert, [pos.numel()], [pos.numel()], None)
+    ranks = dist.get_world_size(group)
+    send = torch.bincount(torch.div(expert, local_experts, rounding_mode="floor"), minlength=ranks)
+    recv = _exchange.exchange_counts(send, group, op)
+    return Route(pos, token, expert, send.tolist(), recv.tolist(), group)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """[P, ...] tensor -> [P, row bytes] int8 view."""
+    row_elements = math.prod(t.shape[1:])
+    return t.contiguous().view(t.shape[0], row_elements).view(torch.int8)
+
+
+def send_rows(op: str, route: Route, rows: torch.Tensor, scale: Optional[torch.Tensor],
+              local_experts: int) -> Received:
+    """Sends each pair's row (and scale) to the rank owning its expert. rows: [P, H] in route
+    order (int8 quantised, or x.dtype); scale: [P] float32 or None."""
+    local = route.expert.remainder(local_experts)
+    if route.group is None:
+        zeros = torch.zeros_like(local)
+        return Received(rows, scale, local, zeros, route.pos)
+    columns = [rows, local.to(torch.int32), route.pos.to(torch.int32)] + ([scale] if scale is not None else [])
+    payload = torch.cat([_as_bytes(c) for c in columns], dim=1)
+    recv = _exchange.all_to_all_rows(payload, route.send_counts, route.recv_counts, route.group, op, "token dispatch")
+    row_bytes = rows.shape[1] * rows.element_size()
+
+    def column(start: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        return recv[:, start:start + width].contiguous().view(dtype)
+
+    recv_rows = column(0, row_bytes, rows.dtype)
+    recv_local = column(row_bytes, 4, torch.int32).view(-1).to(torch.int64)
+    recv_pos = column(row_bytes + 4, 4, torch.int32).view(-1).to(torch.int64)
+    recv_scale = column(row_bytes + 8, 4, torch.float32).view(-1) if scale is not None else None
+    sources = torch.repeat_interleave(torch.arange(len(route.recv_counts)), torch.tensor(route.recv_counts))
+    return Received(recv_rows, recv_scale, recv_local, sources, recv_pos)
+
+
+def return_rows(op: str, route: Route, y: torch.Tensor) -> torch.Tensor:
+    """Sends expert results y [M, H] (in Received order) back to their sources; returns [P, H]
+    in route order."""
+    if route.group is None:
+        return y
+    return _exchange.all_to_all_rows(y, route.recv_counts, route.send_counts, route.group, op, "result combine")
+
+
+def pair_rows(route: Route, batch: int, topk: int) -> torch.Tensor:
+    """[BS, K] int64: the row of pair (t, k) among the returned results, -1 if not routed."""
+    rows = torch.full((batch * topk,), -1, dtype=torch.int64)
+    rows[route.pos] = torch.arange(route.pos.numel())
+    return rows.view(batch, topk)
