@@ -4,6 +4,8 @@ Importing this package compiles nothing and needs no compiler, torch_npu or CANN
 """
 from cam_jit._version import __version__
 from cam_jit.jit import load
-from cam_jit.ops import describe_ops, fused_deep_moe, register_group
+from cam_jit.ops import (describe_ops, fused_deep_moe, moe_combine_lowlatency, moe_dispatch_lowlatency,
+                         register_group, set_strict)
 
-__all__ = ["__version__", "describe_ops", "fused_deep_moe", "load", "register_group"]
+__all__ = ["__version__", "describe_ops", "fused_deep_moe", "load", "moe_combine_lowlatency",
+           "moe_dispatch_lowlatency", "register_group", "set_strict"]

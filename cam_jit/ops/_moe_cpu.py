@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -63,28 +63,32 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(t.shape[0], row_elements).view(torch.int8)
 
 
+def exchange_columns(op: str, what: str, group: "dist.ProcessGroup", columns: Sequence[torch.Tensor],
+                     send_counts: List[int], recv_counts: List[int]) -> List[torch.Tensor]:
+    """One all_to_all of several per-row columns (each [P, ...], rows grouped by destination
+    rank) packed side by side as bytes; returns the received columns, [M, ...] each."""
+    payload = torch.cat([_as_bytes(c) for c in columns], dim=1)
+    recv = _exchange.all_to_all_rows(payload, send_counts, recv_counts, group, op, what)
+    out, start = [], 0
+    for c in columns:
+        width = _as_bytes(c[:0]).shape[1]
+        out.append(recv[:, start:start + width].contiguous().view(c.dtype).view(-1, *c.shape[1:]))
+        start += width
+    return out
+
+
 def send_rows(op: str, route: Route, rows: torch.Tensor, scale: Optional[torch.Tensor],
               local_experts: int) -> Received:
     """Sends each pair's row (and scale) to the rank owning its expert. rows: [P, H] in route
     order (int8 quantised, or x.dtype); scale: [P] float32 or None."""
     local = route.expert.remainder(local_experts)
     if route.group is None:
-        zeros = torch.zeros_like(local)
-        return Received(rows, scale, local, zeros, route.pos)
+        return Received(rows, scale, local, torch.zeros_like(local), route.pos)
     columns = [rows, local.to(torch.int32), route.pos.to(torch.int32)] + ([scale] if scale is not None else [])
-    payload = torch.cat([_as_bytes(c) for c in columns], dim=1)
-    recv = _exchange.all_to_all_rows(payload, route.send_counts, route.recv_counts, route.group, op, "token dispatch")
-    row_bytes = rows.shape[1] * rows.element_size()
-
-    def column(start: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-        return recv[:, start:start + width].contiguous().view(dtype)
-
-    recv_rows = column(0, row_bytes, rows.dtype)
-    recv_local = column(row_bytes, 4, torch.int32).view(-1).to(torch.int64)
-    recv_pos = column(row_bytes + 4, 4, torch.int32).view(-1).to(torch.int64)
-    recv_scale = column(row_bytes + 8, 4, torch.float32).view(-1) if scale is not None else None
+    recv = exchange_columns(op, "token dispatch", route.group, columns, route.send_counts, route.recv_counts)
     sources = torch.repeat_interleave(torch.arange(len(route.recv_counts)), torch.tensor(route.recv_counts))
-    return Received(recv_rows, recv_scale, recv_local, sources, recv_pos)
+    return Received(recv[0], recv[3] if scale is not None else None, recv[1].to(torch.int64), sources,
+                    recv[2].to(torch.int64))
 
 
 def return_rows(op: str, route: Route, y: torch.Tensor) -> torch.Tensor:
