@@ -4,8 +4,8 @@ Importing this package compiles nothing and needs no compiler, torch_npu or CANN
 """
 from cam_jit._version import __version__
 from cam_jit.jit import load
-from cam_jit.ops import (describe_ops, fused_deep_moe, moe_combine_lowlatency, moe_dispatch_lowlatency,
+from cam_jit.ops import (a2e, describe_ops, e2a, fused_deep_moe, moe_combine_lowlatency, moe_dispatch_lowlatency,
                          register_group, set_strict)
 
-__all__ = ["__version__", "describe_ops", "fused_deep_moe", "load", "moe_combine_lowlatency",
+__all__ = ["__version__", "a2e", "describe_ops", "e2a", "fused_deep_moe", "load", "moe_combine_lowlatency",
            "moe_dispatch_lowlatency", "register_group", "set_strict"]

@@ -2,7 +2,7 @@
 value and the actual value."""
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence, Union
+from typing import Dict, Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -39,6 +39,17 @@ def integer(op: str, arg: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         fail(op, arg, "an int", type(value).__name__, TypeError)
     return value
+
+
+def argument_types(op: str, tensors: Dict[str, object], optional: Dict[str, object], ints: Dict[str, object]) -> None:
+    """Python-level type checks a public function makes before calling its op (the dispatcher's
+    own messages for these are unreadable): tensors, optional tensors and ints, by name."""
+    for arg, value in tensors.items():
+        tensor(op, arg, value)
+    for arg, value in optional.items():
+        optional_tensor(op, arg, value)
+    for arg, value in ints.items():
+        integer(op, arg, value)
 
 
 def dtype(op: str, arg: str, t: torch.Tensor, allowed: Iterable[torch.dtype]) -> None:

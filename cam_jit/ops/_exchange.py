@@ -26,7 +26,7 @@ def timeout_seconds() -> float:
     return value
 
 
-def _wait(work: "dist.Work", op: str, what: str, group: "dist.ProcessGroup") -> None:
+def wait(work: "dist.Work", op: str, what: str, group: "dist.ProcessGroup") -> None:
     limit = timeout_seconds()
     try:
         work.wait(timeout=datetime.timedelta(seconds=limit))
@@ -41,7 +41,7 @@ def _wait(work: "dist.Work", op: str, what: str, group: "dist.ProcessGroup") -> 
 def exchange_counts(send_counts: torch.Tensor, group: "dist.ProcessGroup", op: str) -> torch.Tensor:
     """send_counts: [R] int64, rows for each destination rank -> [R] int64 rows from each source."""
     recv_counts = torch.empty_like(send_counts)
-    _wait(dist.all_to_all_single(recv_counts, send_counts, group=group, async_op=True), op, "count exchange", group)
+    wait(dist.all_to_all_single(recv_counts, send_counts, group=group, async_op=True), op, "count exchange", group)
     return recv_counts
 
 
@@ -52,5 +52,5 @@ def all_to_all_rows(
     by source rank in rank order. send: [sum(send_counts), *row]."""
     recv = send.new_empty((sum(recv_counts),) + tuple(send.shape[1:]))
     work = dist.all_to_all_single(recv, send.contiguous(), recv_counts, send_counts, group=group, async_op=True)
-    _wait(work, op, what, group)
+    wait(work, op, what, group)
     return recv

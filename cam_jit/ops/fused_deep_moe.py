@@ -13,12 +13,12 @@ import torch
 
 from cam_jit.ops import _checks as check
 from cam_jit.ops import _moe_cpu
-from cam_jit.ops._kernels import cpu_kernels, register_inference_only
+from cam_jit.ops._kernels import cpu_kernels
+from cam_jit.ops._registry import OpInfo, define_op
 from cam_jit.ops._strict import strict_enabled
 from cam_jit.ops.groups import group_ep_name, resolve_group
 
 OP = "fused_deep_moe"
-QUALNAME = "cam_jit::fused_deep_moe"
 SCHEMA = (
     "(Tensor x, Tensor expert_ids, Tensor[] gmm1_weight, Tensor[] gmm1_weight_scale, Tensor[] gmm2_weight, "
     "Tensor[] gmm2_weight_scale, Tensor expert_scales, Tensor? share_gmm1_weight, Tensor? share_gmm1_weight_scale, "
@@ -263,10 +263,7 @@ def _cpu(x, expert_ids, gmm1_weight, gmm1_weight_scale, gmm2_weight, gmm2_weight
     return [output, share_output, expert_token_nums]
 
 
-torch.library.define(QUALNAME, SCHEMA)
-torch.library.register_fake(QUALNAME, _fake)
-torch.library.impl(QUALNAME, "CPU", _cpu)
-register_inference_only(QUALNAME)
+define_op(OpInfo(OP, SCHEMA), _fake, _cpu)
 
 
 def _as_list(arg: str, value: Optional[TensorOrList]) -> List[torch.Tensor]:

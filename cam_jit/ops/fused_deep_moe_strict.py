@@ -287,7 +287,7 @@ def _agree_across_ranks(args: Dict[str, object], group: "dist.ProcessGroup",
         mine[1], mine[2] = args["x"].shape[0], args["global_bs"]
     gathered = [torch.empty_like(mine) for _ in range(ranks)]
     work = dist.all_gather(gathered, mine, group=group, async_op=True)
-    _exchange._wait(work, OP, "strict-mode exchange of (verdict, BS, global_bs)", group)
+    _exchange.wait(work, OP, "strict-mode exchange of (verdict, BS, global_bs)", group)
     if local_error is not None:
         return  # the caller raises this rank's own error
     failed = [r for r, row in enumerate(gathered) if int(row[0])]

@@ -38,9 +38,11 @@ def group_ep_name(op: str, group_ep: Union[str, "dist.ProcessGroup"]) -> str:
     )
 
 
-def resolve_group(op: str, name: str, rank_size: int, rank_id: int) -> "dist.ProcessGroup":
+def resolve_group(op: str, name: str, rank_size: int, rank_id: int, size_arg: str = "ep_rank_size",
+                  rank_arg: str = "ep_rank_id") -> "dist.ProcessGroup":
     """The process group `name` for a collective of `rank_size` ranks in which this process is
-    `rank_id`; raises ValueError if it cannot be found or disagrees with the given sizes."""
+    `rank_id`; raises ValueError if it cannot be found or disagrees with the given sizes (naming
+    the op's arguments `size_arg` and `rank_arg`)."""
     group = _REGISTERED.get(name)
     if group is None and dist.is_available() and dist.is_initialized():
         if name in _WORLD_NAMES:
@@ -61,11 +63,11 @@ def resolve_group(op: str, name: str, rank_size: int, rank_id: int) -> "dist.Pro
     size = dist.get_world_size(group)
     if size != rank_size:
         raise ValueError(
-            f"{op}: argument 'ep_rank_size': expected {size} (the size of process group {name!r}), got {rank_size}"
+            f"{op}: argument '{size_arg}': expected {size} (the size of process group {name!r}), got {rank_size}"
         )
     rank = dist.get_rank(group)
     if rank != rank_id:
         raise ValueError(
-            f"{op}: argument 'ep_rank_id': expected {rank} (this process's rank in group {name!r}), got {rank_id}"
+            f"{op}: argument '{rank_arg}': expected {rank} (this process's rank in group {name!r}), got {rank_id}"
         )
     return group

@@ -19,23 +19,23 @@ import torch
 
 from cam_jit.ops import _checks as check
 from cam_jit.ops import _exchange, _moe_cpu
-from cam_jit.ops._kernels import cpu_kernels, register_inference_only
+from cam_jit.ops._kernels import cpu_kernels
+from cam_jit.ops._registry import OpInfo, define_op
 from cam_jit.ops.groups import group_ep_name, resolve_group
 
-DISPATCH_OP = "moe_dispatch_lowlatency"
-COMBINE_OP = "moe_combine_lowlatency"
-DISPATCH_QUALNAME = "cam_jit::moe_dispatch_lowlatency"
-COMBINE_QUALNAME = "cam_jit::moe_combine_lowlatency"
-DISPATCH_SCHEMA = (
+DISPATCH = OpInfo(
+    "moe_dispatch_lowlatency",
     "(Tensor x, Tensor expert_ids, Tensor? scales, Tensor? x_active_mask, str group_ep, int ep_world_size, "
     "int ep_rank_id, int moe_expert_num, int quant_mode, int global_bs) -> (Tensor expand_x, Tensor dynamic_scales, "
-    "Tensor assist_info_for_combine, Tensor expert_token_nums, Tensor ep_recv_count)"
+    "Tensor assist_info_for_combine, Tensor expert_token_nums, Tensor ep_recv_count)",
 )
-COMBINE_SCHEMA = (
+COMBINE = OpInfo(
+    "moe_combine_lowlatency",
     "(Tensor expand_x, Tensor expert_ids, Tensor assist_info_for_combine, Tensor ep_send_counts, "
     "Tensor expert_scales, Tensor? x_active_mask, str group_ep, int ep_world_size, int ep_rank_id, "
-    "int moe_expert_num, int global_bs) -> Tensor"
+    "int moe_expert_num, int global_bs) -> Tensor",
 )
+DISPATCH_OP, COMBINE_OP = DISPATCH.name, COMBINE.name
 QUANT_MODES = {0: "no quantisation", 2: "dynamic per-token int8"}
 ASSIST_FIELDS = 3  # per row: source rank, source token t, k
 
@@ -211,25 +211,10 @@ def _combine_cpu(expand_x, expert_ids, assist_info_for_combine, ep_send_counts, 
     return cpu_kernels().combine(rows, pair_rows.view(batch, topk), expert_scales, active)
 
 
-torch.library.define(DISPATCH_QUALNAME, DISPATCH_SCHEMA)
-torch.library.register_fake(DISPATCH_QUALNAME, _dispatch_fake)
-torch.library.impl(DISPATCH_QUALNAME, "CPU", _dispatch_cpu)
-register_inference_only(DISPATCH_QUALNAME)
-torch.library.define(COMBINE_QUALNAME, COMBINE_SCHEMA)
-torch.library.register_fake(COMBINE_QUALNAME, _combine_fake)
-torch.library.impl(COMBINE_QUALNAME, "CPU", _combine_cpu)
-register_inference_only(COMBINE_QUALNAME)
+define_op(DISPATCH, _dispatch_fake, _dispatch_cpu)
+define_op(COMBINE, _combine_fake, _combine_cpu)
 
 GroupEp = Union[str, "torch.distributed.ProcessGroup"]
-
-
-def _check_types(op: str, tensors: dict, optional: dict, ints: dict) -> None:
-    for name, value in tensors.items():
-        check.tensor(op, name, value)
-    for name, value in optional.items():
-        check.optional_tensor(op, name, value)
-    for name, value in ints.items():
-        check.integer(op, name, value)
 
 
 def moe_dispatch_lowlatency(
@@ -262,7 +247,7 @@ def moe_dispatch_lowlatency(
         expert_token_nums [E_loc] int64: rows per local expert;
         ep_recv_count [E_loc * R] int32: cumulative rows per (local expert, source rank).
     """
-    _check_types(DISPATCH_OP, {"x": x, "expert_ids": expert_ids}, {"scales": scales, "x_active_mask": x_active_mask},
+    check.argument_types(DISPATCH_OP, {"x": x, "expert_ids": expert_ids}, {"scales": scales, "x_active_mask": x_active_mask},
                  {"ep_world_size": ep_world_size, "ep_rank_id": ep_rank_id, "moe_expert_num": moe_expert_num,
                   "quant_mode": quant_mode, "global_bs": global_bs})
     return tuple(torch.ops.cam_jit.moe_dispatch_lowlatency(
@@ -298,7 +283,7 @@ def moe_combine_lowlatency(
         [BS, H] expand_x.dtype: sum over k ascending of expert_scales[t, k] * result, in float32,
         rounded once; inactive rows zero.
     """
-    _check_types(COMBINE_OP, {"expand_x": expand_x, "expert_ids": expert_ids,
+    check.argument_types(COMBINE_OP, {"expand_x": expand_x, "expert_ids": expert_ids,
                               "assist_info_for_combine": assist_info_for_combine,
                               "ep_send_counts": ep_send_counts, "expert_scales": expert_scales},
                  {"x_active_mask": x_active_mask},

@@ -1,0 +1,36 @@
+"""The cam_jit op registry: every op's name and schema, defined once, with its fake and CPU
+kernels; `describe_ops`, the CLI and tests read the list from here."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, List
+
+import torch
+
+from cam_jit.ops._kernels import register_inference_only
+
+NAMESPACE = "cam_jit"
+
+
+@dataclasses.dataclass(frozen=True)
+class OpInfo:
+    """An op `torch.ops.cam_jit.<name>` with `schema` = "(args) -> returns" (no name)."""
+
+    name: str
+    schema: str
+
+    @property
+    def qualname(self) -> str:
+        return f"{NAMESPACE}::{self.name}"
+
+
+OPS: List[OpInfo] = []
+
+
+def define_op(info: OpInfo, fake: Callable, cpu: Callable) -> None:
+    """Defines the op, registers its fake and CPU kernels and makes it inference-only."""
+    torch.library.define(info.qualname, info.schema)
+    torch.library.register_fake(info.qualname, fake)
+    torch.library.impl(info.qualname, "CPU", cpu)
+    register_inference_only(info.qualname)
+    OPS.append(info)
