@@ -1,4 +1,4 @@
-"""Command line: ``python -m cam_jit {build,clean,doctor,ops}`` (also the ``cam-jit`` script)."""
+"""Command line: ``python -m cam_jit {build,clean,doctor,ops,opp}`` (also the ``cam-jit`` script)."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +12,44 @@ from cam_jit import jit
 from cam_jit.jit import toolchain
 
 
+def _compile_only(args: argparse.Namespace) -> int:
+    """``build --compile-only``: compile each translation unit, link and load nothing."""
+    from cam_jit.ascend import build
+
+    try:
+        if args.backend == "npu":
+            spec = build.npu_spec(args.torch_npu_root, runtime_soc=False)
+        else:
+            spec = jit.backend_spec(args.backend or "cpu")
+        results = build.compile_only(spec)
+    except jit.JitError as e:
+        hint = ("; or pass --torch-npu-root DIR, DIR holding torch_npu/ from its wheel (`unzip "
+                "torch_npu-*.whl 'torch_npu/include/*' 'torch_npu/version.py' -d DIR`; do not "
+                "install it without CANN)") if args.backend == "npu" and not args.torch_npu_root \
+            else ""
+        print(f"cam_jit: {e}{hint}", file=sys.stderr)
+        return 1
+    failed = [r for r in results if r.errors]
+    for r in results:
+        print(f"{'FAILED' if r.errors else 'ok    '}  {r.source}  ({r.seconds:.1f} s)")
+    for r in failed:
+        print(f"cam_jit: {r.source} does not compile:", file=sys.stderr)
+        for line in r.errors:
+            print(f"  {line[:400]}", file=sys.stderr)
+        print(f"  command: {r.command}", file=sys.stderr)
+    against = (f" ({spec.extra_key['torch_npu']} torch_npu headers from "
+               f"{spec.extra_key['torch_npu_dir']})" if spec.backend == "npu" else "")
+    print(f"cam_jit: {len(results) - len(failed)}/{len(results)} translation units of the "
+          f"{spec.backend} backend compile{against}", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def _build(args: argparse.Namespace) -> int:
+    if args.compile_only:
+        return _compile_only(args)
+    if args.torch_npu_root:
+        print("cam_jit: --torch-npu-root only applies with --compile-only", file=sys.stderr)
+        return 2
     try:
         loaded = jit.load(args.backend)
     except jit.JitError as e:
@@ -93,7 +130,46 @@ def _doctor(args: argparse.Namespace) -> int:
             except jit.JitError as e:
                 how = str(e)
         print(f"  {name:<6} {'available' if ok else 'unavailable'}: {how}")
+
+    from cam_jit.ascend import report
+
+    for line in report.lines(report.discover_stack()):
+        print(line)
     return 0
+
+
+def _opp(args: argparse.Namespace) -> int:
+    from cam_jit.ascend import opp_install
+
+    try:
+        if args.opp_command == "locate":
+            found = opp_install.locate(args.dir)
+            if not found:
+                print("no installed opp vendor holds a CAM operator; install one with "
+                      "`python -m cam_jit opp install <package>.run` or build one with "
+                      "`python -m cam_jit opp build <kernel source tree>`")
+                return 1
+            for f in found:
+                state = "active" if f.active else f"not active; activate with: {f.activate}"
+                print(f"{f.vendor.path} [{f.vendor.source}] ({state}): {', '.join(f.ops)}")
+            return 0
+        if args.opp_command == "install":
+            for vendor in opp_install.install_run(args.package, args.dir):
+                print(f"installed {vendor}; activate with: {opp_install.activation(vendor)}")
+            return 0
+        runs = opp_install.build_from_source(args.tree, args.build_args)
+        for run in runs:
+            print(f"built {run}")
+        note = opp_install.shmem_note()
+        if note:
+            print(f"cam_jit: note: {note}", file=sys.stderr)
+        if args.install:
+            for vendor in opp_install.install_run(runs[0], args.dir):
+                print(f"installed {vendor}; activate with: {opp_install.activation(vendor)}")
+        return 0
+    except opp_install.OppError as e:
+        print(f"cam_jit: {e}", file=sys.stderr)
+        return 1
 
 
 def _ops(args: argparse.Namespace) -> int:
@@ -119,12 +195,42 @@ def main(argv: Optional[List[str]] = None) -> int:
     build = commands.add_parser("build", help="pre-build the cache of a backend (default: this "
                                 "machine's) and print the entry path")
     build.add_argument("--backend", choices=backends)
+    build.add_argument("--compile-only", action="store_true",
+                       help="compile every translation unit of the backend to an object file, "
+                       "link and load nothing (for npu: a check against torch_npu's headers, "
+                       "usable without an NPU)")
+    build.add_argument("--torch-npu-root", metavar="DIR",
+                       help="with --compile-only --backend npu: a directory holding torch_npu/ "
+                       "(e.g. an extracted torch_npu wheel) instead of the installed torch_npu")
     clean = commands.add_parser("clean", help="remove cache entries (all, or of one backend)")
     clean.add_argument("--backend", choices=backends)
-    commands.add_parser("doctor", help="show versions, toolchain, cache entries and backends")
+    commands.add_parser("doctor", help="show versions, toolchain, cache entries, backends and "
+                        "what the NPU (Ascend) path has and needs")
     commands.add_parser("ops", help="list the ops and their backends")
-    args = parser.parse_args(argv)
-    handlers = {"build": _build, "clean": _clean, "doctor": _doctor, "ops": _ops}
+    opp_parser = commands.add_parser("opp", help="Ascend operator packages: locate, install, build")
+    opp_commands = opp_parser.add_subparsers(dest="opp_command", required=True)
+    locate = opp_commands.add_parser("locate", help="list installed vendors holding CAM operators")
+    locate.add_argument("--dir", action="append", default=[], metavar="DIR",
+                        help="also look in DIR/vendors/* (repeatable)")
+    install = opp_commands.add_parser("install", help="install a .run package into a vendor "
+                                      "directory you own")
+    install.add_argument("package", help="the custom opp .run file")
+    install.add_argument("--dir", metavar="DIR", help="install path (default $CAM_JIT_OPP_DIR "
+                         "or ~/.local/share/cam_jit/opp)")
+    build_opp = opp_commands.add_parser("build", help="build a .run package with a kernel source "
+                                        "tree's own build.sh (arguments after -- go to it)",
+                                        usage="python -m cam_jit opp build [--install] [--dir DIR]"
+                                        " tree [-- build.sh arguments]")
+    build_opp.add_argument("tree", help="the kernel source tree (holds build.sh)")
+    build_opp.add_argument("--install", action="store_true", help="then install the package")
+    build_opp.add_argument("--dir", metavar="DIR", help="install path for --install")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:cut])
+    args.build_args = argv[cut + 1:]  # for `opp build`: passed to the tree's build.sh
+    if cut < len(argv) and (args.command, getattr(args, "opp_command", None)) != ("opp", "build"):
+        parser.error("arguments after -- are only for `opp build`")
+    handlers = {"build": _build, "clean": _clean, "doctor": _doctor, "ops": _ops, "opp": _opp}
     return handlers[args.command](args)
 
 

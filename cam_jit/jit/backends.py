@@ -1,9 +1,8 @@
 """The backends the JIT can build: a registry of name -> spec factory + availability check.
 
 The CPU backend compiles every ``*.cpp`` of the kernels directory's ``cpu/`` folder. The NPU
-backend is registered without a spec for now (only its availability is reported); adding it is
-one :func:`register_backend` call with a factory whose spec carries torch_npu/CANN/SoC facts in
-``extra_key``.
+backend compiles the aclnn wrappers (``wrappers/``, spec in :mod:`cam_jit.ascend.build`, with
+torch_npu/CANN/SoC facts in ``extra_key``); it is available only where torch_npu is importable.
 """
 from __future__ import annotations
 
@@ -45,8 +44,15 @@ def cpu_spec() -> BuildSpec:
 
 def _npu_unavailable() -> Optional[str]:
     if importlib.util.find_spec("torch_npu") is None:
-        return "torch_npu is not importable"
-    return "this cam_jit version has no NPU build spec yet"
+        return ("torch_npu is not importable (the `ascend` section of `python -m cam_jit "
+                "doctor` says what the NPU path needs)")
+    return None
+
+
+def _npu_spec() -> BuildSpec:
+    from cam_jit.ascend.build import npu_spec  # lazy: cam_jit.ascend imports this module
+
+    return npu_spec()
 
 
 @dataclass(frozen=True)
@@ -69,7 +75,7 @@ def register_backend(name: str, make_spec: Optional[Callable[[], BuildSpec]],
 
 
 register_backend("cpu", cpu_spec)
-register_backend("npu", None, _npu_unavailable)
+register_backend("npu", _npu_spec, _npu_unavailable)
 
 
 def default_backend() -> str:

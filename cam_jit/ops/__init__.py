@@ -16,6 +16,10 @@ from cam_jit.ops.fused_deep_moe import fused_deep_moe
 from cam_jit.ops.groups import register_group
 from cam_jit.ops.moe_lowlatency import moe_combine_lowlatency, moe_dispatch_lowlatency
 
+from cam_jit.ascend.npu_ops import register as _register_npu_kernels
+
+_register_npu_kernels()  # PrivateUse1 kernels; need neither torch_npu nor a compiler until called
+
 _DISPATCH_KEYS = ("CPU", "Meta", "PrivateUse1")
 
 

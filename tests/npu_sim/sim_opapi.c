@@ -1,0 +1,220 @@
+/* A simulated aclnn library: the stand-in for a CANN vendor package's libcust_opapi.so (and for
+ * the tensor API of CANN's libnnopbase.so) in tests that run without an NPU.
+ *
+ * It exports the aclnn tensor API (aclCreateTensor, aclCreateTensorList, aclDestroyTensor,
+ * aclDestroyTensorList, aclDestroyAclOpExecutor, aclGetRecentErrMsg) and, for each operator,
+ * aclnn<Op>GetWorkspaceSize and aclnn<Op> with the C prototypes of SPEC.md §7.2, written from the
+ * SPEC, independently of the wrappers. Every call appends one JSON line to a log: each argument as a tensor (dtype, shape,
+ * strides, offset, format, storage dims, data address), null, a tensor list (its tensors), an
+ * int64 or a string. Statuses and the workspace size are chosen by the test
+ * (sim_set_status / sim_set_workspace). Nothing is computed: it checks what arrives.
+ *
+ * Build variants (macros): SIM_FDM_ABI = 0 base / 1 w4a8 / 2 master selects the one
+ * aclnnFusedDeepMoe prototype exported; SIM_TENSOR_API_ONLY exports no operator at all.
+ */
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+  int32_t dtype, format;
+  uint64_t ndim, nstorage;
+  int64_t dims[16], strides[16], storage[16], offset;
+  void* data;
+} SimTensor;
+typedef struct { uint64_t n; const SimTensor** items; } SimList;
+typedef int32_t Status;
+
+static char* g_log = NULL;
+static size_t g_len = 0, g_cap = 0;
+static long g_live = 0; /* tensors + lists created and not destroyed */
+static Status g_ws_status = 0, g_run_status = 0;
+static uint64_t g_workspace = 0;
+static int g_executor;
+
+static void out(const char* fmt, ...) {
+  va_list ap;
+  char buf[4096];
+  va_start(ap, fmt);
+  int n = vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  if (n < 0) return;
+  if ((size_t)n >= sizeof buf) n = (int)sizeof buf - 1;
+  if (g_len + (size_t)n + 1 > g_cap) {
+    g_cap = (g_len + (size_t)n + 1) * 2;
+    g_log = (char*)realloc(g_log, g_cap);
+  }
+  memcpy(g_log + g_len, buf, (size_t)n + 1);
+  g_len += (size_t)n;
+}
+
+/* ---- control, for the tests (ctypes) ---- */
+void sim_reset(void) { g_len = 0; if (g_log) g_log[0] = 0; g_ws_status = g_run_status = 0; g_workspace = 0; }
+const char* sim_log(void) { return g_log ? g_log : ""; }
+long sim_live_handles(void) { return g_live; }
+void sim_set_status(Status workspace_status, Status run_status) { g_ws_status = workspace_status; g_run_status = run_status; }
+void sim_set_workspace(uint64_t bytes) { g_workspace = bytes; }
+
+/* ---- the aclnn tensor API ---- */
+void* aclCreateTensor(const int64_t* view_dims, uint64_t ndim, int32_t dtype, const int64_t* strides,
+                      int64_t offset, int32_t format, const int64_t* storage_dims, uint64_t nstorage,
+                      void* data) {
+  if (ndim > 16 || nstorage > 16) return NULL;
+  SimTensor* t = (SimTensor*)calloc(1, sizeof(SimTensor));
+  t->dtype = dtype; t->format = format; t->ndim = ndim; t->nstorage = nstorage;
+  t->offset = offset; t->data = data;
+  for (uint64_t i = 0; i < ndim; ++i) { t->dims[i] = view_dims[i]; t->strides[i] = strides[i]; }
+  for (uint64_t i = 0; i < nstorage; ++i) t->storage[i] = storage_dims[i];
+  ++g_live;
+  return t;
+}
+void* aclCreateTensorList(const void* const* tensors, uint64_t n) {
+  SimList* l = (SimList*)calloc(1, sizeof(SimList));
+  l->n = n;
+  l->items = (const SimTensor**)calloc(n ? n : 1, sizeof(SimTensor*));
+  for (uint64_t i = 0; i < n; ++i) l->items[i] = (const SimTensor*)tensors[i];
+  ++g_live;
+  return l;
+}
+Status aclDestroyTensor(const void* t) { if (t) { free((void*)t); --g_live; } return 0; }
+Status aclDestroyTensorList(const void* p) {
+  const SimList* l = (const SimList*)p;
+  if (!l) return 0;
+  for (uint64_t i = 0; i < l->n; ++i) aclDestroyTensor(l->items[i]);
+  free((void*)l->items); free((void*)l); --g_live;
+  return 0;
+}
+Status aclDestroyAclOpExecutor(void* executor) {
+  out("{\"fn\":\"aclDestroyAclOpExecutor\",\"executor_ok\":%d}\n", executor == &g_executor);
+  return 0;
+}
+const char* aclGetRecentErrMsg(void) { return g_ws_status || g_run_status ? "simulated failure" : ""; }
+
+/* ---- argument recording ---- */
+static void ints(const char* key, const int64_t* v, uint64_t n) {
+  out("\"%s\":[", key);
+  for (uint64_t i = 0; i < n; ++i) out(i ? ",%lld" : "%lld", (long long)v[i]);
+  out("]");
+}
+static void tensor_json(const SimTensor* t) {
+  if (!t) { out("null"); return; }
+  out("{\"kind\":\"tensor\",\"dtype\":%d,\"format\":%d,\"offset\":%lld,\"data\":%llu,",
+      t->dtype, t->format, (long long)t->offset, (unsigned long long)(uintptr_t)t->data);
+  ints("shape", t->dims, t->ndim); out(",");
+  ints("strides", t->strides, t->ndim); out(",");
+  ints("storage", t->storage, t->nstorage); out("}");
+}
+static int g_first;
+static void sep(void) { out(g_first ? "" : ","); g_first = 0; }
+static void T(const void* t) { sep(); tensor_json((const SimTensor*)t); }
+static void L(const void* p) {
+  const SimList* l = (const SimList*)p;
+  sep();
+  if (!l) { out("null"); return; }
+  out("{\"kind\":\"list\",\"items\":[");
+  for (uint64_t i = 0; i < l->n; ++i) { if (i) out(","); tensor_json(l->items[i]); }
+  out("]}");
+}
+static void I(int64_t v) { sep(); out("{\"kind\":\"int\",\"value\":%lld}", (long long)v); }
+static void S(const char* s) {
+  sep();
+  out("{\"kind\":\"str\",\"value\":\"");
+  for (; s && *s; ++s) out(*s == '"' || *s == '\\' ? "\\%c" : "%c", *s);
+  out("\"}");
+}
+static void begin(const char* fn) { out("{\"fn\":\"%s\",\"args\":[", fn); g_first = 1; }
+static Status end_ws(uint64_t* ws, void** executor) {
+  out("]}\n");
+  *ws = g_workspace;
+  *executor = &g_executor;
+  return g_ws_status;
+}
+static Status launch(const char* fn, void* workspace, uint64_t size, void* executor, void* stream) {
+  out("{\"fn\":\"%s\",\"workspace_null\":%d,\"workspace_size\":%llu,\"executor_ok\":%d,\"stream\":%llu}\n",
+      fn, workspace == NULL, (unsigned long long)size, executor == &g_executor,
+      (unsigned long long)(uintptr_t)stream);
+  return g_run_status;
+}
+#define LAUNCH(name) \
+  Status name(void* w, uint64_t s, void* e, void* st) { return launch(#name, w, s, e, st); }
+
+typedef const void* Tn;  /* const aclTensor* */
+typedef const void* Ls;  /* const aclTensorList* */
+
+#ifndef SIM_TENSOR_API_ONLY
+#ifndef SIM_FDM_ABI
+#define SIM_FDM_ABI 0
+#endif
+#if SIM_FDM_ABI == 0  /* base, SHMEM-capable */
+Status aclnnFusedDeepMoeGetWorkspaceSize(Tn x, Tn ids, Ls w1, Ls s1, Ls w2, Ls s2, Tn scales, Tn sw1,
+    Tn ss1, Tn sw2, Tn ss2, Tn smooth, Tn share_smooth, Tn mask, char* group, int64_t ranks,
+    int64_t rank, int64_t experts, int64_t quant, int64_t gbs, int64_t ext_info, int64_t shmem,
+    int64_t shmem_size, Tn output, Tn share_output, Tn nums, uint64_t* ws, void** ex) {
+  begin("aclnnFusedDeepMoeGetWorkspaceSize");
+  T(x); T(ids); L(w1); L(s1); L(w2); L(s2); T(scales); T(sw1); T(ss1); T(sw2); T(ss2); T(smooth);
+  T(share_smooth); T(mask); S(group); I(ranks); I(rank); I(experts); I(quant); I(gbs); I(ext_info);
+  I(shmem); I(shmem_size); T(output); T(share_output); T(nums);
+  return end_ws(ws, ex);
+}
+#elif SIM_FDM_ABI == 1  /* w4a8 */
+Status aclnnFusedDeepMoeGetWorkspaceSize(Tn x, Tn ids, Ls w1, Ls s1, Ls w2, Ls s2, Tn scales, Tn sw1,
+    Tn ss1, Tn sw2, Tn ss2, Tn smooth, Tn share_smooth, Tn mask, Ls b1, Ls b2, Tn sb1, Tn sb2,
+    char* group, int64_t ranks, int64_t rank, int64_t experts, int64_t quant, int64_t gbs,
+    Tn output, Tn share_output, Tn nums, uint64_t* ws, void** ex) {
+  begin("aclnnFusedDeepMoeGetWorkspaceSize");
+  T(x); T(ids); L(w1); L(s1); L(w2); L(s2); T(scales); T(sw1); T(ss1); T(sw2); T(ss2); T(smooth);
+  T(share_smooth); T(mask); L(b1); L(b2); T(sb1); T(sb2); S(group); I(ranks); I(rank); I(experts);
+  I(quant); I(gbs); T(output); T(share_output); T(nums);
+  return end_ws(ws, ex);
+}
+#else  /* master */
+Status aclnnFusedDeepMoeGetWorkspaceSize(Tn x, Tn ids, Ls w1, Ls s1, Ls w2, Ls s2, Tn scales, Tn sw1,
+    Tn ss1, Tn sw2, Tn ss2, Tn smooth, Tn share_smooth, Tn mask, char* group, int64_t ranks,
+    int64_t rank, int64_t experts, int64_t quant, int64_t gbs, Tn output, Tn share_output, Tn nums,
+    uint64_t* ws, void** ex) {
+  begin("aclnnFusedDeepMoeGetWorkspaceSize");
+  T(x); T(ids); L(w1); L(s1); L(w2); L(s2); T(scales); T(sw1); T(ss1); T(sw2); T(ss2); T(smooth);
+  T(share_smooth); T(mask); S(group); I(ranks); I(rank); I(experts); I(quant); I(gbs);
+  T(output); T(share_output); T(nums);
+  return end_ws(ws, ex);
+}
+#endif
+LAUNCH(aclnnFusedDeepMoe)
+
+Status aclnnA2eGetWorkspaceSize(Tn x, Tn ids, Tn scales, int64_t batch, int64_t hidden, int64_t topk,
+    int64_t er, int64_t ar, int64_t rank, char* group, int64_t aiv, int64_t gate, Tn expand_x,
+    Tn sim_ids, Tn sim_scales, Tn batches, Tn mask, uint64_t* ws, void** ex) {
+  begin("aclnnA2eGetWorkspaceSize");
+  T(x); T(ids); T(scales); I(batch); I(hidden); I(topk); I(er); I(ar); I(rank); S(group); I(aiv);
+  I(gate); T(expand_x); T(sim_ids); T(sim_scales); T(batches); T(mask);
+  return end_ws(ws, ex);
+}
+LAUNCH(aclnnA2e)
+
+Status aclnnE2aGetWorkspaceSize(Tn expand_x, Tn batches, int64_t batch, int64_t hidden, int64_t topk,
+    int64_t er, int64_t ar, int64_t rank, char* group, int64_t aiv, Tn out_, uint64_t* ws, void** ex) {
+  begin("aclnnE2aGetWorkspaceSize");
+  T(expand_x); T(batches); I(batch); I(hidden); I(topk); I(er); I(ar); I(rank); S(group); I(aiv);
+  T(out_);
+  return end_ws(ws, ex);
+}
+LAUNCH(aclnnE2a)
+
+Status aclnnAll2AllDetourGetWorkspaceSize(Tn send, Tn ids, Tn args, int64_t magic, Tn out_,
+    uint64_t* ws, void** ex) {
+  begin("aclnnAll2AllDetourGetWorkspaceSize");
+  T(send); T(ids); T(args); I(magic); T(out_);
+  return end_ws(ws, ex);
+}
+LAUNCH(aclnnAll2AllDetour)
+
+Status aclnnReduceScatterDetourGetWorkspaceSize(Tn send, Tn ids, Tn args, int64_t magic,
+    int64_t rank_size, int64_t op, Tn out_, uint64_t* ws, void** ex) {
+  begin("aclnnReduceScatterDetourGetWorkspaceSize");
+  T(send); T(ids); T(args); I(magic); I(rank_size); I(op); T(out_);
+  return end_ws(ws, ex);
+}
+LAUNCH(aclnnReduceScatterDetour)
+#endif
