@@ -12,6 +12,8 @@ import torch
 from cam_jit.ops import _registry
 from cam_jit.ops._strict import set_strict
 from cam_jit.ops.a2e_e2a import a2e, e2a
+from cam_jit.ops.comm import cam_free_comm, cam_get_and_increase_magic, cam_get_comm, cam_get_magic, cam_get_rank_size
+from cam_jit.ops.detour import all2_all_detour, reduce_scatter_detour
 from cam_jit.ops.fused_deep_moe import fused_deep_moe
 from cam_jit.ops.groups import register_group
 from cam_jit.ops.moe_lowlatency import moe_combine_lowlatency, moe_dispatch_lowlatency
@@ -20,7 +22,7 @@ from cam_jit.ascend.npu_ops import register as _register_npu_kernels
 
 _register_npu_kernels()  # PrivateUse1 kernels; need neither torch_npu nor a compiler until called
 
-_DISPATCH_KEYS = ("CPU", "Meta", "PrivateUse1")
+_DISPATCH_KEYS = ("CPU", "CompositeExplicitAutograd", "Meta", "PrivateUse1")
 
 
 def describe_ops() -> List[Dict[str, object]]:
@@ -38,5 +40,6 @@ def describe_ops() -> List[Dict[str, object]]:
     ]
 
 
-__all__ = ["a2e", "describe_ops", "e2a", "fused_deep_moe", "moe_combine_lowlatency", "moe_dispatch_lowlatency",
-           "register_group", "set_strict"]
+__all__ = ["a2e", "all2_all_detour", "cam_free_comm", "cam_get_and_increase_magic", "cam_get_comm", "cam_get_magic",
+           "cam_get_rank_size", "describe_ops", "e2a", "fused_deep_moe", "moe_combine_lowlatency",
+           "moe_dispatch_lowlatency", "reduce_scatter_detour", "register_group", "set_strict"]

@@ -27,10 +27,11 @@ class OpInfo:
 OPS: List[OpInfo] = []
 
 
-def define_op(info: OpInfo, fake: Callable, cpu: Callable) -> None:
-    """Defines the op, registers its fake and CPU kernels and makes it inference-only."""
+def define_op(info: OpInfo, fake: Callable, kernel: Callable, dispatch_key: str = "CPU") -> None:
+    """Defines the op, registers its fake kernel and its `kernel` for `dispatch_key` ("CPU", or
+    "CompositeExplicitAutograd" for ops without tensor inputs), and makes it inference-only."""
     torch.library.define(info.qualname, info.schema)
     torch.library.register_fake(info.qualname, fake)
-    torch.library.impl(info.qualname, "CPU", cpu)
+    torch.library.impl(info.qualname, dispatch_key, kernel)
     register_inference_only(info.qualname)
     OPS.append(info)

@@ -4,6 +4,7 @@ Independent of the product code (``cam_jit.ops`` / the C++ kernels); tests compa
 
 * :func:`fused_deep_moe` - the whole operator (SPEC §1), same signature as the public op.
 * :func:`a2e`, :func:`e2a` - attention/expert transfer (SPEC §2), same signatures as the ops.
+* ``detour`` - all2_all_detour / reduce_scatter_detour (SPEC §3) over an all-gather.
 * :func:`pack_int4`, :func:`unpack_int4`, :func:`w4a8_compensation_bias` - SPEC §1.5 helpers.
 * ``fused_deep_moe_steps`` - the module holding the individual SPEC steps (``quantize_rows``,
   ``gmm1_stage``, ``swiglu_requant``, ``gmm2_stage``, ``expert_ffn``, ``combine``) for
@@ -13,10 +14,11 @@ Independent of the product code (``cam_jit.ops`` / the C++ kernels); tests compa
 import importlib as _importlib
 
 from ._int4 import pack_int4, unpack_int4, w4a8_compensation_bias
+from . import detour
 from .a2e_e2a import a2e, e2a
 
 fused_deep_moe_steps = _importlib.import_module(".fused_deep_moe", __name__)
 fused_deep_moe = fused_deep_moe_steps.fused_deep_moe
 
-__all__ = ["a2e", "e2a", "fused_deep_moe", "fused_deep_moe_steps", "pack_int4", "unpack_int4",
+__all__ = ["a2e", "detour", "e2a", "fused_deep_moe", "fused_deep_moe_steps", "pack_int4", "unpack_int4",
            "w4a8_compensation_bias"]
