@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import cam_jit
+from cam_jit.ops.weights import pack_int4, w4a8_compensation_bias
 
 BS, H, I, E, K = 4, 64, 32, 4, 2
 
@@ -68,8 +69,8 @@ CASES = [
     ("w1-list-item-shape",
      dict(gmm1_weight=[torch.zeros(H, 2 * I, dtype=torch.int8)] * (E - 1) + [torch.zeros(H, 2, dtype=torch.int8)]),
      ValueError, [f"'gmm1_weight[{E - 1}]'", str([H, 2 * I]), str([H, 2])]),
-    ("w1-w4a8", dict(gmm1_weight=torch.zeros(E, H, 2 * I // 8, dtype=torch.int32)), NotImplementedError,
-     ["W4A8", "gmm1_weight"]),
+    ("w1-int16", dict(gmm1_weight=torch.zeros(E, H, 2 * I, dtype=torch.int16)), TypeError,
+     ["'gmm1_weight[0]'", "int8 (W8A8) or int32 (W4A8", "int16"]),
     ("s1-length", dict(gmm1_weight_scale=torch.ones(E, 2 * I - 1)), ValueError,
      ["'gmm1_weight_scale[0]'", str([E, 2 * I]), str([E, 2 * I - 1])]),
     ("s1-dtype", dict(gmm1_weight_scale=torch.ones(E, 2 * I, dtype=torch.float16)), TypeError,
@@ -122,10 +123,98 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("overrides,exc,fragments", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_bad_argument(overrides, exc, fragments):
+def good_w4a8_args():
+    """good_args() with W4A8 weights: packed int4 in int32 words, plus the compensation biases."""
+    gen = torch.Generator().manual_seed(1)
     args = good_args()
-    args.update(overrides)
+    w1 = pack_int4(torch.randint(-8, 8, (E, H, 2 * I), dtype=torch.int8, generator=gen))
+    w2 = pack_int4(torch.randint(-8, 8, (E, I, H), dtype=torch.int8, generator=gen))
+    s1, s2 = torch.full((E, 2 * I), 1e-2), torch.full((E, H), 1e-2)
+    args.update(gmm1_weight=w1, gmm1_weight_scale=s1, gmm2_weight=w2, gmm2_weight_scale=s2,
+                gmm1_bias=w4a8_compensation_bias(w1, s1), gmm2_bias=w4a8_compensation_bias(w2, s2))
+    return args
+
+
+def shared_w4a8(**over):
+    base = dict(
+        share_gmm1_weight=torch.zeros(H, 2 * I // 8, dtype=torch.int32),
+        share_gmm1_weight_scale=torch.ones(2 * I),
+        share_gmm2_weight=torch.zeros(I, H // 8, dtype=torch.int32),
+        share_gmm2_weight_scale=torch.ones(H),
+        share_gmm1_bias=torch.zeros(2 * I),
+        share_gmm2_bias=torch.zeros(H),
+    )
+    base.update(over)
+    return base
+
+
+def per_expert_w4a8(**over):
+    """good_w4a8_args()' containers as E per-expert lists, then `over`."""
+    args = good_w4a8_args()
+    lists = {name: list(args[name].unbind(0)) for name in ("gmm1_weight", "gmm1_weight_scale", "gmm2_weight",
+                                                            "gmm2_weight_scale", "gmm1_bias", "gmm2_bias")}
+    lists.update(over)
+    return lists
+
+
+# The same, on top of good_w4a8_args().
+W4A8_CASES = [
+    ("gmm1-bias-missing", dict(gmm1_bias=None), ValueError,
+     ["'gmm1_bias'", "W4A8 compensation bias", "[E_loc, 2I]", f"2I = {2 * I}", "an empty list"]),
+    ("gmm2-bias-empty", dict(gmm2_bias=[]), ValueError, ["'gmm2_bias'", "compensation bias", "an empty list"]),
+    ("gmm1-bias-shape", dict(gmm1_bias=torch.zeros(E, 2 * I - 8)), ValueError,
+     ["'gmm1_bias[0]'", str([E, 2 * I]), str([E, 2 * I - 8]), "8 x the 8 int32 words"]),
+    ("gmm2-bias-packed-width", dict(gmm2_bias=torch.zeros(E, H // 8)), ValueError,
+     ["'gmm2_bias[0]'", str([E, H]), str([E, H // 8]), "unpacked column"]),
+    ("gmm1-bias-experts", dict(gmm1_bias=torch.zeros(E - 1, 2 * I)), ValueError,
+     ["'gmm1_bias[0]'", str([E, 2 * I]), str([E - 1, 2 * I])]),
+    ("gmm1-bias-dtype", dict(gmm1_bias=torch.zeros(E, 2 * I, dtype=torch.bfloat16)), TypeError,
+     ["'gmm1_bias[0]'", "float32", "bfloat16"]),
+    ("gmm2-bias-list-length", dict(gmm2_bias=[torch.zeros(H)] * (E - 1)), ValueError,
+     ["'gmm2_bias'", f"{E} per-expert tensors", f"a list of {E - 1}"]),
+    ("bias-container-mode", per_expert_w4a8(gmm1_bias=[torch.zeros(E, 2 * I)]), ValueError,
+     ["'gmm1_bias'", "same container mode as gmm1_weight", f"a list of {E}", "got a list of 1"]),
+    ("bias-item-shape", per_expert_w4a8(gmm2_bias=[torch.zeros(H)] * (E - 1) + [torch.zeros(H + 8)]), ValueError,
+     [f"'gmm2_bias[{E - 1}]'", str([H]), str([H + 8])]),
+    ("gmm2-int8-mixed", dict(gmm2_weight=torch.zeros(E, I, H, dtype=torch.int8)), TypeError,
+     ["'gmm2_weight[0]'", "dtype int32", "W4A8", "one variant", "got int8"]),
+    ("gmm1-mixed-in-list", per_expert_w4a8(gmm1_weight=[torch.zeros(H, 2 * I // 8, dtype=torch.int32)] * (E - 1)
+                                          + [torch.zeros(H, 2 * I // 8, dtype=torch.int8)]), TypeError,
+     ["'gmm1_weight'", "one dtype", "int32", "int8"]),
+    ("share-int8-mixed", shared_w4a8(share_gmm1_weight=torch.zeros(H, 2 * I, dtype=torch.int8)), TypeError,
+     ["'share_gmm1_weight'", "dtype int32", "one variant", "got int8"]),
+    ("share-gmm2-int8-mixed", shared_w4a8(share_gmm2_weight=torch.zeros(I, H, dtype=torch.int8)), TypeError,
+     ["'share_gmm2_weight'", "dtype int32", "got int8"]),
+    ("gmm1-int8-gmm2-int32", dict(gmm1_weight=torch.zeros(E, H, 2 * I, dtype=torch.int8)), TypeError,
+     ["'gmm2_weight[0]'", "dtype int8", "W8A8", "got int32"]),
+    ("packed-width-vs-scale", dict(gmm1_weight=torch.zeros(E, H, 2 * I // 4, dtype=torch.int32)), ValueError,
+     ["'gmm1_weight_scale[0]'", str([E, 4 * I]), str([E, 2 * I]), "8 x the 16 int32 words"]),
+    ("gmm1-unpacked-int32", dict(gmm1_weight=torch.zeros(E, H, 2 * I, dtype=torch.int32)), ValueError,
+     ["'gmm1_weight_scale[0]'", str([E, 16 * I]), "8 x the 64 int32 words"]),
+    ("gmm2-unpacked-width", dict(gmm2_weight=torch.zeros(E, I, H, dtype=torch.int32)), ValueError,
+     ["'gmm2_weight[0]'", str([E, I, H // 8]), str([E, I, H]), f"H / 8 = {H // 8}"]),
+    ("gmm2-inter", dict(gmm2_weight=torch.zeros(E, I + 1, H // 8, dtype=torch.int32)), ValueError,
+     ["'gmm2_weight[0]'", str([E, I, H // 8]), str([E, I + 1, H // 8])]),
+    ("hidden-not-multiple-of-8", dict(x=torch.zeros(BS, H - 4, dtype=torch.bfloat16)), ValueError,
+     ["'x'", "multiple of 8", f"H = {H - 4}"]),
+    ("share-bias-missing", shared_w4a8(share_gmm1_bias=None), ValueError,
+     ["'share_gmm1_bias'", "compensation bias of the shared expert", f"2Is = {2 * I}", "got None"]),
+    ("share-gmm2-bias-missing", shared_w4a8(share_gmm2_bias=None), ValueError,
+     ["'share_gmm2_bias'", "float32 [H]", "got None"]),
+    ("share-bias-shape", shared_w4a8(share_gmm2_bias=torch.zeros(H // 8)), ValueError,
+     ["'share_gmm2_bias'", str([H]), str([H // 8])]),
+    ("share-bias-dtype", shared_w4a8(share_gmm1_bias=torch.zeros(2 * I, dtype=torch.float16)), TypeError,
+     ["'share_gmm1_bias'", "float32", "float16"]),
+    ("share-bias-without-shared", dict(share_gmm1_bias=torch.zeros(2 * I)), ValueError,
+     ["'share_gmm1_bias'", "None without a shared expert", "a tensor"]),
+    ("share-gmm2-unpacked", shared_w4a8(share_gmm2_weight=torch.zeros(I, H, dtype=torch.int32)), ValueError,
+     ["'share_gmm2_weight'", str([I, H // 8]), str([I, H])]),
+    ("share-scale-packed-width", shared_w4a8(share_gmm1_weight_scale=torch.ones(2 * I // 8)), ValueError,
+     ["'share_gmm1_weight_scale'", str([2 * I]), str([2 * I // 8])]),
+]
+
+
+def _expect_error(args, exc, fragments):
     with pytest.raises(exc) as info:
         cam_jit.fused_deep_moe(**args)
     message = str(info.value)
@@ -134,9 +223,32 @@ def test_bad_argument(overrides, exc, fragments):
         assert fragment in message, f"{fragment!r} not in {message!r}"
 
 
+@pytest.mark.parametrize("overrides,exc,fragments", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_argument(overrides, exc, fragments):
+    args = good_args()
+    args.update(overrides)
+    _expect_error(args, exc, fragments)
+
+
+@pytest.mark.parametrize("overrides,exc,fragments", [c[1:] for c in W4A8_CASES], ids=[c[0] for c in W4A8_CASES])
+def test_bad_w4a8_argument(overrides, exc, fragments):
+    args = good_w4a8_args()
+    args.update(overrides)
+    _expect_error(args, exc, fragments)
+
+
 def test_good_arguments_pass_validation():
     """The baseline of the table is valid, so each case above fails for its own override only."""
     out, share_out, counts = cam_jit.fused_deep_moe(**good_args())
+    assert out.shape == (BS, H) and share_out.shape == (BS, H) and counts.tolist() == [1, 2, 2, 2]
+
+
+@pytest.mark.parametrize("variant", ["stacked", "per-expert", "shared"])
+def test_good_w4a8_arguments_pass_validation(variant):
+    """The W4A8 baselines (and their per-expert and shared forms) are valid."""
+    args = good_w4a8_args()
+    args.update({"stacked": {}, "per-expert": per_expert_w4a8(), "shared": shared_w4a8()}[variant])
+    out, share_out, counts = cam_jit.fused_deep_moe(**args)
     assert out.shape == (BS, H) and share_out.shape == (BS, H) and counts.tolist() == [1, 2, 2, 2]
 
 

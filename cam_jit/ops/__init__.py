@@ -17,6 +17,8 @@ from cam_jit.ops.detour import all2_all_detour, reduce_scatter_detour
 from cam_jit.ops.fused_deep_moe import fused_deep_moe
 from cam_jit.ops.groups import register_group
 from cam_jit.ops.moe_lowlatency import moe_combine_lowlatency, moe_dispatch_lowlatency
+from cam_jit.ops.weights import (nd_to_nz, nz_to_nd, pack_int4, permute_gmm1_weight, unpack_int4,
+                                 unpermute_gmm1_weight, w4a8_compensation_bias)
 
 from cam_jit.ascend.npu_ops import register as _register_npu_kernels
 
@@ -42,4 +44,6 @@ def describe_ops() -> List[Dict[str, object]]:
 
 __all__ = ["a2e", "all2_all_detour", "cam_free_comm", "cam_get_and_increase_magic", "cam_get_comm", "cam_get_magic",
            "cam_get_rank_size", "describe_ops", "e2a", "fused_deep_moe", "moe_combine_lowlatency",
-           "moe_dispatch_lowlatency", "reduce_scatter_detour", "register_group", "set_strict"]
+           "moe_dispatch_lowlatency", "nd_to_nz", "nz_to_nd", "pack_int4", "permute_gmm1_weight",
+           "reduce_scatter_detour", "register_group", "set_strict", "unpack_int4", "unpermute_gmm1_weight",
+           "w4a8_compensation_bias"]

@@ -17,6 +17,7 @@ from cam_jit.ops._kernels import cpu_kernels
 from cam_jit.ops._registry import OpInfo, define_op
 from cam_jit.ops._strict import strict_enabled
 from cam_jit.ops.groups import group_ep_name, resolve_group
+from cam_jit.ops.weights import INT4_PER_WORD
 
 OP = "fused_deep_moe"
 SCHEMA = (
@@ -42,20 +43,25 @@ class Layout:
     inter: int  # I (gmm1 output is 2I wide)
     shared: bool
     share_inter: int  # Is, 0 without a shared expert
+    w4a8: bool = False  # int32-packed int4 weights with compensation biases (SPEC.md §1.5, §1.9)
 
 
-def _container(arg: str, items: object, item_shape: Sequence[int], local_experts: int) -> torch.dtype:
+_VARIANTS = {torch.int8: "W8A8", torch.int32: "W4A8"}
+
+
+def _container(arg: str, items: object, item_shape: Sequence[int], local_experts: int, note: str = "") -> torch.dtype:
     """Checks a weight container (SPEC.md §1.3): one stacked [E_loc, *item_shape] tensor (or, with
-    one local expert, one item_shape tensor), or E_loc item_shape tensors. Returns the dtype."""
+    one local expert, one item_shape tensor), or E_loc item_shape tensors. Returns the dtype.
+    `note` explains item_shape in the errors."""
     if not items:
         check.fail(OP, arg, "a tensor or a non-empty list of tensors", "an empty list")
     item_dim = len(item_shape)
     if len(items) == 1:
         only = items[0]
         if only.dim() == item_dim + 1:
-            check.shape(OP, arg + "[0]", only, [local_experts, *item_shape], "stacked [E_loc, ...] container")
+            check.shape(OP, arg + "[0]", only, [local_experts, *item_shape], "stacked [E_loc, ...] container" + note)
         elif only.dim() == item_dim and local_experts == 1:
-            check.shape(OP, arg + "[0]", only, item_shape)
+            check.shape(OP, arg + "[0]", only, item_shape, note.lstrip("; "))
         else:
             check.fail(
                 OP,
@@ -66,7 +72,7 @@ def _container(arg: str, items: object, item_shape: Sequence[int], local_experts
             )
     elif len(items) == local_experts:
         for i, t in enumerate(items):
-            check.shape(OP, f"{arg}[{i}]", t, item_shape, f"local expert {i}")
+            check.shape(OP, f"{arg}[{i}]", t, item_shape, f"local expert {i}{note}")
     else:
         check.fail(
             OP,
@@ -81,9 +87,27 @@ def _container(arg: str, items: object, item_shape: Sequence[int], local_experts
 
 
 def _shared_tensor(arg: str, t: torch.Tensor, item_shape: Sequence[int]) -> None:
-    """A shared-expert tensor: item_shape, or [1, *item_shape] (SPEC.md §1.2 rows 7-10)."""
+    """A shared-expert tensor: item_shape, or [1, *item_shape] (SPEC.md §1.2 rows 7-10, 16-17)."""
     if list(t.shape) not in (list(item_shape), [1, *item_shape]):
         check.fail(OP, arg, f"shape {list(item_shape)} or {[1, *item_shape]}", list(t.shape))
+
+
+def _same_variant(arg: str, t: torch.Tensor, weight_dtype: torch.dtype) -> None:
+    """A weight must have gmm1_weight's dtype: one variant for all weights (SPEC.md §1.1)."""
+    if t.dtype != weight_dtype:
+        check.fail(OP, arg, f"dtype {check.dtype_name(weight_dtype)} ({_VARIANTS[weight_dtype]}, like gmm1_weight: "
+                   "all weights share one variant)", check.dtype_name(t.dtype), TypeError)
+
+
+def _bias_container(arg: str, items: List[torch.Tensor], width: int, width_name: str, local_experts: int,
+                    note: str) -> None:
+    """A required W4A8 bias container (SPEC.md §1.3, §1.5): float32 [E_loc, width] or E_loc [width]."""
+    if not items:
+        check.fail(OP, arg, f"the W4A8 compensation bias, a float32 [E_loc, {width_name}] tensor or E_loc "
+                   f"[{width_name}] tensors ({width_name} = {width}; see cam_jit.ops.weights.w4a8_compensation_bias)",
+                   "an empty list")
+    _container(arg, items, (width,), local_experts, note)
+    check.dtype(OP, arg + "[0]", items[0], (torch.float32,))
 
 
 def validate(
@@ -118,36 +142,47 @@ def validate(
 
     if not gmm1_weight:
         check.fail(OP, "gmm1_weight", "a tensor or a non-empty list of tensors", "an empty list")
-    if gmm1_weight[0].dtype == torch.int32:
-        raise NotImplementedError(
-            f"{OP}: W4A8 (int32-packed 'gmm1_weight') is not implemented on the CPU backend yet; use int8 weights (W8A8)"
-        )
-    width1 = gmm1_weight[0].shape[-1]
+    weight_dtype = gmm1_weight[0].dtype
+    if weight_dtype not in _VARIANTS:
+        check.fail(OP, "gmm1_weight[0]", "dtype int8 (W8A8) or int32 (W4A8: packed int4)",
+                   check.dtype_name(weight_dtype), TypeError)
+    w4a8 = weight_dtype == torch.int32
+    pack = INT4_PER_WORD if w4a8 else 1  # logical columns per stored element
+    check.ndim(OP, "gmm1_weight[0]", gmm1_weight[0], (2, 3))
+    width1 = gmm1_weight[0].shape[-1] * pack
     if width1 % 2:
         check.fail(OP, "gmm1_weight", "an even last dimension 2*I (gate | up columns)", width1)
     inter = width1 // 2
+    if hidden % pack:
+        check.fail(OP, "x", f"a hidden size H that is a multiple of {pack} under W4A8 (gmm2_weight packs H int4 "
+                   f"columns into H/{pack} int32 words)", f"H = {hidden}")
     scale_dtypes = (torch.float32, x.dtype)
-    check.dtype(OP, "gmm1_weight[0]", gmm1_weight[0], (torch.int8,))
-    _container("gmm1_weight", gmm1_weight, (hidden, width1), local_experts)
-    s1_dtype = _container("gmm1_weight_scale", gmm1_weight_scale, (width1,), local_experts)
-    w2_dtype = _container("gmm2_weight", gmm2_weight, (inter, hidden), local_experts)
+    packed1 = f"; 2I = 8 x the {width1 // pack} int32 words of gmm1_weight" if w4a8 else ""
+    _container("gmm1_weight", gmm1_weight, (hidden, width1 // pack), local_experts)
+    s1_dtype = _container("gmm1_weight_scale", gmm1_weight_scale, (width1,), local_experts, packed1)
+    if gmm2_weight:
+        _same_variant("gmm2_weight[0]", gmm2_weight[0], weight_dtype)
+    _container("gmm2_weight", gmm2_weight, (inter, hidden // pack), local_experts,
+               f"; H / 8 = {hidden // pack} int32 words of 8 int4 columns each" if w4a8 else "")
     s2_dtype = _container("gmm2_weight_scale", gmm2_weight_scale, (hidden,), local_experts)
     check.dtype(OP, "gmm1_weight_scale[0]", gmm1_weight_scale[0], scale_dtypes)
-    check.dtype(OP, "gmm2_weight[0]", gmm2_weight[0], (torch.int8,))
     check.dtype(OP, "gmm2_weight_scale[0]", gmm2_weight_scale[0], scale_dtypes)
     per_expert = len(gmm1_weight) > 1
-    for arg, items in (("gmm1_weight_scale", gmm1_weight_scale), ("gmm2_weight", gmm2_weight),
-                       ("gmm2_weight_scale", gmm2_weight_scale)):
+    containers = [("gmm1_weight_scale", gmm1_weight_scale), ("gmm2_weight", gmm2_weight),
+                  ("gmm2_weight_scale", gmm2_weight_scale)]
+    if w4a8:
+        _bias_container("gmm1_bias", gmm1_bias, width1, "2I", local_experts, packed1)
+        _bias_container("gmm2_bias", gmm2_bias, hidden, "H", local_experts, "; one per unpacked column")
+        containers += [("gmm1_bias", gmm1_bias), ("gmm2_bias", gmm2_bias)]
+    else:
+        for arg, items in (("gmm1_bias", gmm1_bias), ("gmm2_bias", gmm2_bias)):
+            if items:
+                check.fail(OP, arg, "an empty list under W8A8 (biases are W4A8 compensation terms)",
+                           f"a list of {len(items)}")
+    for arg, items in containers:
         if (len(items) > 1) != per_expert:
             check.fail(OP, arg, f"the same container mode as gmm1_weight (a list of {len(gmm1_weight)})",
                        f"a list of {len(items)}")
-
-    for arg, items in (("gmm1_bias", gmm1_bias), ("gmm2_bias", gmm2_bias)):
-        if items:
-            check.fail(OP, arg, "an empty list under W8A8 (biases are W4A8 compensation terms)", f"a list of {len(items)}")
-    for arg, value in (("share_gmm1_bias", share_gmm1_bias), ("share_gmm2_bias", share_gmm2_bias)):
-        if value is not None:
-            check.fail(OP, arg, "None under W8A8 (biases are W4A8 compensation terms)", "a tensor")
 
     shared_args = {
         "share_gmm1_weight": share_gmm1_weight,
@@ -155,26 +190,41 @@ def validate(
         "share_gmm2_weight": share_gmm2_weight,
         "share_gmm2_weight_scale": share_gmm2_weight_scale,
     }
+    share_biases = {"share_gmm1_bias": share_gmm1_bias, "share_gmm2_bias": share_gmm2_bias}
     present = [name for name, t in shared_args.items() if t is not None]
     shared = bool(present)
     share_inter = 0
+    if not w4a8 or not shared:
+        why = "under W8A8 (biases are W4A8 compensation terms)" if not w4a8 else \
+            "without a shared expert (share_gmm1_weight is None)"
+        for arg, value in share_biases.items():
+            if value is not None:
+                check.fail(OP, arg, f"None {why}", "a tensor")
     if shared:
         if len(present) != 4:
             missing = [name for name in shared_args if name not in present]
             check.fail(OP, missing[0], "a tensor: the four share_* weights and scales are given together",
                        f"None while {present} are given")
-        share_width = share_gmm1_weight.shape[-1]
-        check.dtype(OP, "share_gmm1_weight", share_gmm1_weight, (torch.int8,))
+        _same_variant("share_gmm1_weight", share_gmm1_weight, weight_dtype)
+        check.ndim(OP, "share_gmm1_weight", share_gmm1_weight, (2, 3))
+        share_width = share_gmm1_weight.shape[-1] * pack
         if share_width % 2:
             check.fail(OP, "share_gmm1_weight", "an even last dimension 2*Is", share_width)
         share_inter = share_width // 2
-        _shared_tensor("share_gmm1_weight", share_gmm1_weight, (hidden, share_width))
+        _shared_tensor("share_gmm1_weight", share_gmm1_weight, (hidden, share_width // pack))
         _shared_tensor("share_gmm1_weight_scale", share_gmm1_weight_scale, (share_width,))
-        _shared_tensor("share_gmm2_weight", share_gmm2_weight, (share_inter, hidden))
+        _same_variant("share_gmm2_weight", share_gmm2_weight, weight_dtype)
+        _shared_tensor("share_gmm2_weight", share_gmm2_weight, (share_inter, hidden // pack))
         _shared_tensor("share_gmm2_weight_scale", share_gmm2_weight_scale, (hidden,))
-        check.dtype(OP, "share_gmm2_weight", share_gmm2_weight, (torch.int8,))
         check.dtype(OP, "share_gmm1_weight_scale", share_gmm1_weight_scale, (s1_dtype,))
         check.dtype(OP, "share_gmm2_weight_scale", share_gmm2_weight_scale, (s2_dtype,))
+        if w4a8:
+            for (arg, bias), (width, name) in zip(share_biases.items(), ((share_width, "2Is"), (hidden, "H"))):
+                if bias is None:
+                    check.fail(OP, arg, f"the W4A8 compensation bias of the shared expert, a float32 [{name}] tensor "
+                               f"({name} = {width}; see cam_jit.ops.weights.w4a8_compensation_bias)", None)
+                _shared_tensor(arg, bias, (width,))
+                check.dtype(OP, arg, bias, (torch.float32,))
 
     smooth, share_smooth = expert_smooth_scales, share_smooth_scales
     if smooth is not None:
@@ -192,14 +242,15 @@ def validate(
         check.shape(OP, "x_active_mask", mask, [batch], "[BS], 1-D")
 
     tensors = {"expert_ids": expert_ids, "expert_scales": expert_scales, "expert_smooth_scales": smooth,
-               "share_smooth_scales": share_smooth, "x_active_mask": mask, **shared_args}
+               "share_smooth_scales": share_smooth, "x_active_mask": mask, **shared_args, **share_biases}
     for name, items in (("gmm1_weight", gmm1_weight), ("gmm1_weight_scale", gmm1_weight_scale),
-                        ("gmm2_weight", gmm2_weight), ("gmm2_weight_scale", gmm2_weight_scale)):
+                        ("gmm2_weight", gmm2_weight), ("gmm2_weight_scale", gmm2_weight_scale),
+                        ("gmm1_bias", gmm1_bias), ("gmm2_bias", gmm2_bias)):
         tensors.update({f"{name}[{i}]": t for i, t in enumerate(items)})
     for name, t in tensors.items():
         if t is not None:
             check.device(OP, name, t, x.device)
-    return Layout(batch, hidden, topk, local_experts, inter, shared, share_inter)
+    return Layout(batch, hidden, topk, local_experts, inter, shared, share_inter, w4a8)
 
 
 def _check_expert_ids(expert_ids: torch.Tensor, experts: int) -> None:
@@ -226,6 +277,15 @@ def _fake(x, expert_ids, gmm1_weight, gmm1_weight_scale, gmm2_weight, gmm2_weigh
     ]
 
 
+def _expert_ffn(kernels, layout: Layout, rows, scale, group_sizes, w1, s1, b1, w2, s2, b2, dtype):
+    """SPEC.md §1.8 steps 2-4 (W4A8: §1.9) on int8 rows [M, H] grouped by local expert
+    (group_sizes[e] rows for expert e) with per-row scales [M]; weight containers as in §1.3
+    (b1, b2: the W4A8 bias containers, ignored under W8A8). Returns [M, H] of dtype."""
+    if layout.w4a8:
+        return kernels.expert_ffn_w4a8(rows, scale, group_sizes, w1, s1, b1, w2, s2, b2, dtype)
+    return kernels.expert_ffn_w8a8(rows, scale, group_sizes, w1, s1, w2, s2, dtype)
+
+
 def _cpu(x, expert_ids, gmm1_weight, gmm1_weight_scale, gmm2_weight, gmm2_weight_scale, expert_scales,
          share_gmm1_weight, share_gmm1_weight_scale, share_gmm2_weight, share_gmm2_weight_scale,
          expert_smooth_scales, share_smooth_scales, x_active_mask, gmm1_bias, gmm2_bias, share_gmm1_bias,
@@ -242,9 +302,9 @@ def _cpu(x, expert_ids, gmm1_weight, gmm1_weight_scale, gmm2_weight, gmm2_weight
     received = _moe_cpu.send_rows(OP, route, q, q_scale, layout.local_experts)
     expert_token_nums = torch.bincount(received.local_expert, minlength=layout.local_experts)
     by_expert = torch.sort(received.local_expert, stable=True).indices
-    y_grouped = kernels.expert_ffn_w8a8(received.rows[by_expert], received.scale[by_expert],
-                                        expert_token_nums.tolist(), gmm1_weight, gmm1_weight_scale, gmm2_weight,
-                                        gmm2_weight_scale, x.dtype)
+    y_grouped = _expert_ffn(kernels, layout, received.rows[by_expert], received.scale[by_expert],
+                            expert_token_nums.tolist(), gmm1_weight, gmm1_weight_scale, gmm1_bias, gmm2_weight,
+                            gmm2_weight_scale, gmm2_bias, x.dtype)
     y = torch.empty_like(y_grouped)
     y[by_expert] = y_grouped
     y = _moe_cpu.return_rows(OP, route, y)
@@ -255,9 +315,10 @@ def _cpu(x, expert_ids, gmm1_weight, gmm1_weight_scale, gmm2_weight, gmm2_weight
         sq, sq_scale = kernels.quantize_rows(
             x, share_smooth, None, torch.zeros(layout.batch, dtype=torch.int64) if share_smooth is not None else None
         )
-        share_output = kernels.expert_ffn_w8a8(sq, sq_scale, [layout.batch], [share_gmm1_weight],
-                                               [share_gmm1_weight_scale], [share_gmm2_weight],
-                                               [share_gmm2_weight_scale], x.dtype)
+        share_bias1, share_bias2 = ([share_gmm1_bias], [share_gmm2_bias]) if layout.w4a8 else ([], [])
+        share_output = _expert_ffn(kernels, layout, sq, sq_scale, [layout.batch], [share_gmm1_weight],
+                                   [share_gmm1_weight_scale], share_bias1, [share_gmm2_weight],
+                                   [share_gmm2_weight_scale], share_bias2, x.dtype)
     else:
         share_output = torch.zeros_like(x)
     return [output, share_output, expert_token_nums]
@@ -308,6 +369,11 @@ def fused_deep_moe(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Expert-parallel MoE layer: dispatch, int8 GEMM, SwiGLU, requantise, int8 GEMM, combine.
 
+    The weights' dtype picks the variant (SPEC.md §1.1): int8 is W8A8; int32 is W4A8, whose
+    words each pack 8 int4 columns (cam_jit.ops.weights.pack_int4) and which needs the
+    compensation biases (cam_jit.ops.weights.w4a8_compensation_bias). All weights share one
+    variant.
+
     Every rank of the EP group calls it with its own tokens and its own E_loc = E / R experts
     (global expert g lives on rank g // E_loc). Shapes (BS tokens, hidden H, top-k K, I =
     intermediate size; weight containers are one stacked tensor with a leading E_loc dimension
@@ -316,20 +382,25 @@ def fused_deep_moe(
     Args:
         x: [BS, H] bfloat16 or float16 tokens.
         expert_ids: [BS, K] int32 global expert ids in [-1, E); -1 skips the slot.
-        gmm1_weight: [E_loc, H, 2I] int8, output columns [gate | up].
-        gmm1_weight_scale: [E_loc, 2I] float32 or x.dtype, per output column.
-        gmm2_weight: [E_loc, I, H] int8.
+        gmm1_weight: [E_loc, H, 2I] int8 (W4A8: [E_loc, H, 2I/8] int32), output columns
+            [gate | up].
+        gmm1_weight_scale: [E_loc, 2I] float32 or x.dtype, per (unpacked) output column.
+        gmm2_weight: [E_loc, I, H] int8 (W4A8: [E_loc, I, H/8] int32).
         gmm2_weight_scale: [E_loc, H] float32 or x.dtype.
         expert_scales: [BS, K] float32 combine weights.
         share_gmm1_weight, share_gmm1_weight_scale, share_gmm2_weight, share_gmm2_weight_scale:
-            optional shared expert, [H, 2Is] / [2Is] / [Is, H] / [H] (a leading 1 is allowed);
-            applied locally to all BS tokens, result in share_output.
+            optional shared expert, [H, 2Is] / [2Is] / [Is, H] / [H] (a leading 1 is allowed;
+            W4A8: int32 [H, 2Is/8] and [Is, H/8] weights); applied locally to all BS tokens,
+            result in share_output.
         expert_smooth_scales: optional [E, H] float32 smooth-quant factors by global expert id.
         share_smooth_scales: [H] float32; required with expert_smooth_scales and a shared expert,
             ignored without expert_smooth_scales (as upstream).
         x_active_mask: optional [BS] bool; the first sum(mask) tokens are active (True must
             precede False); inactive tokens are not dispatched and their output rows are zero.
-        gmm1_bias, gmm2_bias, share_gmm1_bias, share_gmm2_bias: W4A8 only; must be empty/None.
+        gmm1_bias, gmm2_bias: W4A8 compensation biases, required there: [E_loc, 2I] / [E_loc, H]
+            float32, in the container mode of the weights; must be None/empty under W8A8.
+        share_gmm1_bias, share_gmm2_bias: [2Is] / [H] float32 (a leading 1 is allowed); required
+            with a W4A8 shared expert, None otherwise.
         group_ep: the EP process group, or its name (ProcessGroup.group_name, a name given to
             cam_jit.register_group, or "" for the default group). Unused when ep_rank_size == 1.
         ep_rank_size: R, ranks in the EP group. ep_rank_id: this rank's index in it.

@@ -28,6 +28,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from cam_jit.ops.weights import INT4_PER_WORD
 from cam_jit.ops import _exchange
 from cam_jit.ops.fused_deep_moe import OP, Layout, validate
 from cam_jit.ops.groups import resolve_group
@@ -43,7 +44,6 @@ HCCL_BUFFSIZE_DEFAULT_MIB = 200
 GROUP_NAME_MAX = 128  # exclusive
 _MIB = 1024 * 1024
 _TOKEN_BYTES, _DOUBLE_BUFFER = 2, 2
-_INT4_PER_WORD = 8
 
 
 def check_strict(args: Dict[str, object]) -> None:
@@ -103,7 +103,7 @@ def _logical_width(args: Dict[str, object], arg: str) -> int:
     """Logical output width of a weight argument (W4A8 words hold 8 int4 columns, SPEC.md §1.5)."""
     value = args[arg]
     weight = value[0] if isinstance(value, list) else value
-    return weight.shape[-1] * (_INT4_PER_WORD if _is_w4a8(args) else 1)
+    return weight.shape[-1] * (INT4_PER_WORD if _is_w4a8(args) else 1)
 
 
 def check_attributes(args: Dict[str, object]) -> None:

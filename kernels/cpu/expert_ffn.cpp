@@ -1,6 +1,8 @@
-// Expert-side kernel of fused_deep_moe on CPU: per local expert, int8 GEMM1, dequant + SwiGLU +
-// requant, int8 GEMM2, dequant (SPEC.md §1.8 steps 2-4). The integer GEMMs are ATen's exact
-// int8 x int8 -> int32 `_int_mm`; the epilogues are fused loops threaded with at::parallel_for.
+// Expert-side kernels of fused_deep_moe on CPU: per local expert, integer GEMM1, dequant + SwiGLU
+// + requant, integer GEMM2, dequant (SPEC.md §1.8 steps 2-4; W4A8: §1.9). The integer GEMMs are
+// ATen's exact int8 x int8 -> int32 `_int_mm`; the epilogues are fused loops threaded with
+// at::parallel_for. W4A8 unpacks each expert's int4 weights to int8 and multiplies the high and
+// low nibbles of the activations (stacked into one GEMM) by them.
 #include "moe_common.h"
 
 #include <ATen/Dispatch.h>
@@ -10,6 +12,7 @@
 #include <ATen/ops/exp.h>
 
 #include <algorithm>
+#include <bit>
 #include <vector>
 
 namespace cam_jit_cpu {
@@ -17,30 +20,49 @@ namespace {
 
 int64_t row_grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
 
-// Scale vector of one expert, widened exactly to float32 and contiguous.
-at::Tensor float_scale(at::TensorList container, int64_t e) {
+// Vector (scale or bias) of one expert, widened exactly to float32 and contiguous.
+at::Tensor float_item(at::TensorList container, int64_t e) {
   return expert_item(container, e, 1).to(at::kFloat).contiguous();
 }
 
-// Step 2.2-2.4: d[r, j] = (f32(acc[r, j]) * s1[j]) * a[r]. Also writes -d of the gate half into
-// neg_gate so that exp can run over one contiguous block with ATen's vectorised kernel.
-void dequant_gmm1(const at::Tensor& acc, const at::Tensor& s1, const float* a, at::Tensor& d,
-                  at::Tensor& neg_gate) {
-  const int64_t rows = acc.size(0);
-  const int64_t width = acc.size(1);
+// W8A8 dequantisation before the per-token scale (§1.8 steps 2.2-2.3, 4.2): f32(acc) * s.
+struct W8A8Dequant {
+  const int32_t* acc;
+  const float* s;
+  int64_t width;
+  float operator()(int64_t r, int64_t j) const { return static_cast<float>(acc[r * width + j]) * s[j]; }
+};
+
+// W4A8 dequantisation before the per-token scale (§1.9 item 4):
+// ((f32(c_hi) * s) * 16 + f32(c_lo) * s) + bias, c_hi / c_lo the GEMMs of the high / low nibbles.
+struct W4A8Dequant {
+  const int32_t* hi;
+  const int32_t* lo;
+  const float* s;
+  const float* bias;
+  int64_t width;
+  float operator()(int64_t r, int64_t j) const {
+    const float high = (static_cast<float>(hi[r * width + j]) * s[j]) * 16.f;
+    const float low = static_cast<float>(lo[r * width + j]) * s[j];
+    return (high + low) + bias[j];
+  }
+};
+
+// Step 2.4: d[r, j] = dequant(r, j) * a[r]. Also writes -d of the gate half into neg_gate so that
+// exp can run over one contiguous block with ATen's vectorised kernel.
+template <typename Dequant>
+void dequant_gmm1(const Dequant& dequant, const float* a, at::Tensor& d, at::Tensor& neg_gate) {
+  const int64_t rows = d.size(0);
+  const int64_t width = d.size(1);
   const int64_t inter = width / 2;
-  const int32_t* acc_ptr = acc.data_ptr<int32_t>();
-  const float* s_ptr = s1.data_ptr<float>();
   float* d_ptr = d.data_ptr<float>();
   float* ng_ptr = neg_gate.data_ptr<float>();
   at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const int32_t* ar = acc_ptr + r * width;
       float* dr = d_ptr + r * width;
       const float token_scale = a[r];
       for (int64_t j = 0; j < width; ++j) {
-        const float c = static_cast<float>(ar[j]) * s_ptr[j];
-        dr[j] = c * token_scale;
+        dr[j] = dequant(r, j) * token_scale;
       }
       float* ng = ng_ptr + r * inter;
       for (int64_t j = 0; j < inter; ++j) {
@@ -88,47 +110,122 @@ void swiglu_requant(const at::Tensor& d, const at::Tensor& exp_neg, at::Tensor& 
   });
 }
 
-// Step 4.2: y[r, j] = cast((f32(acc[r, j]) * s2[j]) * b[r]) into rows of `out`.
-template <typename scalar_t>
-void dequant_gmm2(const at::Tensor& acc, const at::Tensor& s2, const float* b, scalar_t* out) {
-  const int64_t rows = acc.size(0);
-  const int64_t width = acc.size(1);
-  const int32_t* acc_ptr = acc.data_ptr<int32_t>();
-  const float* s_ptr = s2.data_ptr<float>();
+// Step 4.2: y[r, j] = cast(dequant(r, j) * b[r]) into `rows` rows of `out`.
+template <typename scalar_t, typename Dequant>
+void dequant_gmm2(const Dequant& dequant, int64_t rows, int64_t width, const float* b, scalar_t* out) {
   at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const int32_t* ar = acc_ptr + r * width;
       scalar_t* yr = out + r * width;
       const float token_scale = b[r];
       for (int64_t j = 0; j < width; ++j) {
-        const float c = static_cast<float>(ar[j]) * s_ptr[j];
-        yr[j] = static_cast<scalar_t>(c * token_scale);
+        yr[j] = static_cast<scalar_t>(dequant(r, j) * token_scale);
       }
     }
   });
 }
 
-// q: [M, H] int8 rows grouped by local expert (group_sizes[e] rows for expert e, in order);
-// q_scale: [M] float32 per-row dequantisation scale; w1/s1/w2/s2: weight containers (§1.3) of
-// [H, 2I] int8, [2I] float, [I, H] int8, [H] float. Returns y: [M, H] of out_dtype.
-at::Tensor expert_ffn_w8a8(const at::Tensor& q, const at::Tensor& q_scale, c10::IntArrayRef group_sizes,
-                           at::TensorList w1, at::TensorList s1, at::TensorList w2, at::TensorList s2,
-                           at::ScalarType out_dtype) {
+// §1.5: int32 [K, M] words -> int8 [K, 8M] int4 values; column 8w + s is nibble s (bits 4s..4s+3,
+// nibble 0 least significant) of word w, two's complement. On a little-endian machine byte i of
+// the words holds columns 2i (low nibble) and 2i + 1 (high nibble), which a byte loop vectorises.
+static_assert(std::endian::native == std::endian::little, "the int4 unpacking reads words byte by byte");
+at::Tensor unpack_int4(const at::Tensor& packed) {
+  const at::Tensor pc = packed.contiguous();
+  at::Tensor out = at::empty({pc.size(0), pc.size(1) * 8}, pc.options().dtype(at::kChar));
+  const int8_t* const src_base = reinterpret_cast<const int8_t*>(pc.data_ptr<int32_t>());
+  int8_t* const dst_base = out.data_ptr<int8_t>();
+  at::parallel_for(0, pc.numel() * 4, 16384, [&](int64_t begin, int64_t end) {
+    // Local copies: int8 stores may alias anything, including pointers read through the closure,
+    // which would keep the loop from vectorising.
+    const int8_t* src = src_base;
+    int8_t* dst = dst_base;
+    for (int64_t i = begin; i < end; ++i) {
+      const int8_t byte = src[i];
+      dst[2 * i] = static_cast<int8_t>(static_cast<int8_t>(byte << 4) >> 4);  // sign-extend the low nibble
+      dst[2 * i + 1] = static_cast<int8_t>(byte >> 4);  // arithmetic shift: the high nibble
+    }
+  });
+  return out;
+}
+
+// §1.9 item 1: int8 q [n, K] -> int8 [2n, K], rows 0..n-1 hi = floor(q / 16) (arithmetic shift),
+// rows n..2n-1 lo = (q & 15) - 8, so that q = 16 hi + lo + 8 and one GEMM serves both.
+at::Tensor split_nibbles(const at::Tensor& q) {
+  const int64_t n = q.size(0);
+  const int64_t k = q.size(1);
+  at::Tensor out = at::empty({2 * n, k}, q.options());
+  const int8_t* const src_base = q.data_ptr<int8_t>();
+  int8_t* const out_base = out.data_ptr<int8_t>();
+  at::parallel_for(0, n * k, 16384, [&](int64_t begin, int64_t end) {
+    const int8_t* src = src_base;  // local copies, as in unpack_int4
+    int8_t* hi = out_base;
+    int8_t* lo = out_base + n * k;
+    for (int64_t i = begin; i < end; ++i) {
+      const int32_t v = src[i];
+      hi[i] = static_cast<int8_t>(v >> 4);
+      lo[i] = static_cast<int8_t>((v & 15) - 8);
+    }
+  });
+  return out;
+}
+
+// One local expert's weights: int8 (W8A8) or unpacked int4-valued int8 (W4A8) matrices, float32
+// vectors; the biases are undefined under W8A8.
+struct Expert {
+  at::Tensor w1, s1, b1, w2, s2, b2;
+};
+
+// Steps 2.1-2.4 (§1.9 items 1-5 for W4A8): d = dequant(q . W1) * a, and -d of the gate half.
+void gmm1_stage(const at::Tensor& q, const float* a, const Expert& ex, at::Tensor& d, at::Tensor& neg_gate) {
+  const int64_t rows = q.size(0);
+  const int64_t width = ex.w1.size(1);
+  const float* s = ex.s1.data_ptr<float>();
+  if (!ex.b1.defined()) {
+    const at::Tensor acc = at::_int_mm(q, ex.w1);
+    dequant_gmm1(W8A8Dequant{acc.data_ptr<int32_t>(), s, width}, a, d, neg_gate);
+    return;
+  }
+  const at::Tensor acc = at::_int_mm(split_nibbles(q), ex.w1);
+  const int32_t* hi = acc.data_ptr<int32_t>();
+  dequant_gmm1(W4A8Dequant{hi, hi + rows * width, s, ex.b1.data_ptr<float>(), width}, a, d, neg_gate);
+}
+
+// Step 4 (§1.9 for W4A8): y = cast(dequant(q2 . W2) * b) into rows of `out`.
+template <typename scalar_t>
+void gmm2_stage(const at::Tensor& q2, const float* b, const Expert& ex, scalar_t* out) {
+  const int64_t rows = q2.size(0);
+  const int64_t width = ex.w2.size(1);
+  const float* s = ex.s2.data_ptr<float>();
+  if (!ex.b2.defined()) {
+    const at::Tensor acc = at::_int_mm(q2, ex.w2);
+    dequant_gmm2(W8A8Dequant{acc.data_ptr<int32_t>(), s, width}, rows, width, b, out);
+    return;
+  }
+  const at::Tensor acc = at::_int_mm(split_nibbles(q2), ex.w2);
+  const int32_t* hi = acc.data_ptr<int32_t>();
+  dequant_gmm2(W4A8Dequant{hi, hi + rows * width, s, ex.b2.data_ptr<float>(), width}, rows, width, b, out);
+}
+
+// Steps 2-4 for rows q [M, H] int8 grouped by local expert (group_sizes[e] rows for expert e, in
+// order) with per-row scales q_scale [M] float32; `load(e)` gives expert e's weights. Returns
+// y [M, H] of out_dtype.
+template <typename Load>
+at::Tensor expert_ffn(const char* name, const at::Tensor& q, const at::Tensor& q_scale, c10::IntArrayRef group_sizes,
+                      at::ScalarType out_dtype, const Load& load) {
   check_cpu(q, "q");
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "_cam_jit_cpu::expert_ffn_w8a8: q must be int8 2-D");
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "_cam_jit_cpu::", name, ": q must be int8 2-D");
   TORCH_CHECK(q_scale.scalar_type() == at::kFloat && q_scale.numel() == q.size(0),
-              "_cam_jit_cpu::expert_ffn_w8a8: q_scale must be float32 [", q.size(0), "]");
+              "_cam_jit_cpu::", name, ": q_scale must be float32 [", q.size(0), "]");
   TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kHalf,
-              "_cam_jit_cpu::expert_ffn_w8a8: out_dtype must be bfloat16 or float16");
+              "_cam_jit_cpu::", name, ": out_dtype must be bfloat16 or float16");
   const int64_t total_rows = q.size(0);
   const int64_t hidden = q.size(1);
   int64_t grouped = 0;
   for (const int64_t n : group_sizes) {
-    TORCH_CHECK(n >= 0, "_cam_jit_cpu::expert_ffn_w8a8: negative group size");
+    TORCH_CHECK(n >= 0, "_cam_jit_cpu::", name, ": negative group size");
     grouped += n;
   }
-  TORCH_CHECK(grouped == total_rows, "_cam_jit_cpu::expert_ffn_w8a8: group sizes sum to ", grouped,
-              " but q has ", total_rows, " rows");
+  TORCH_CHECK(grouped == total_rows, "_cam_jit_cpu::", name, ": group sizes sum to ", grouped, " but q has ",
+              total_rows, " rows");
 
   const at::Tensor qc = q.contiguous();
   const at::Tensor ac = q_scale.contiguous();
@@ -137,37 +234,64 @@ at::Tensor expert_ffn_w8a8(const at::Tensor& q, const at::Tensor& q_scale, c10::
   for (int64_t e = 0; e < static_cast<int64_t>(group_sizes.size()); ++e) {
     const int64_t rows = group_sizes[e];
     if (rows == 0) continue;
-    const at::Tensor w1e = expert_item(w1, e, 2).contiguous();
-    const at::Tensor w2e = expert_item(w2, e, 2).contiguous();
-    TORCH_CHECK(w1e.scalar_type() == at::kChar && w1e.dim() == 2 && w1e.size(0) == hidden && w1e.size(1) % 2 == 0,
-                "_cam_jit_cpu::expert_ffn_w8a8: expert ", e, " gmm1 weight must be int8 [", hidden, ", 2I], got ",
-                w1e.sizes());
-    const int64_t inter = w1e.size(1) / 2;
-    TORCH_CHECK(w2e.scalar_type() == at::kChar && w2e.dim() == 2 && w2e.size(0) == inter && w2e.size(1) == hidden,
-                "_cam_jit_cpu::expert_ffn_w8a8: expert ", e, " gmm2 weight must be int8 [", inter, ", ", hidden,
-                "], got ", w2e.sizes());
-    const at::Tensor s1e = float_scale(s1, e);
-    const at::Tensor s2e = float_scale(s2, e);
-    TORCH_CHECK(s1e.numel() == 2 * inter && s2e.numel() == hidden,
-                "_cam_jit_cpu::expert_ffn_w8a8: expert ", e, " scale lengths");
+    const Expert ex = load(e);
+    TORCH_CHECK(ex.w1.dim() == 2 && ex.w1.size(0) == hidden && ex.w1.size(1) % 2 == 0, "_cam_jit_cpu::", name,
+                ": expert ", e, " gmm1 weight must be [", hidden, ", 2I] (unpacked), got ", ex.w1.sizes());
+    const int64_t inter = ex.w1.size(1) / 2;
+    TORCH_CHECK(ex.w2.dim() == 2 && ex.w2.size(0) == inter && ex.w2.size(1) == hidden, "_cam_jit_cpu::", name,
+                ": expert ", e, " gmm2 weight must be [", inter, ", ", hidden, "] (unpacked), got ", ex.w2.sizes());
+    TORCH_CHECK(ex.s1.numel() == 2 * inter && ex.s2.numel() == hidden &&
+                    (!ex.b1.defined() || (ex.b1.numel() == 2 * inter && ex.b2.numel() == hidden)),
+                "_cam_jit_cpu::", name, ": expert ", e, " scale or bias lengths");
 
     const at::Tensor qe = qc.narrow(0, start, rows);
     const float* a = ac.data_ptr<float>() + start;
-    const at::Tensor acc1 = at::_int_mm(qe, w1e);
     at::Tensor d = at::empty({rows, 2 * inter}, ac.options());
     at::Tensor neg_gate = at::empty({rows, inter}, ac.options());
-    dequant_gmm1(acc1, s1e, a, d, neg_gate);
+    gmm1_stage(qe, a, ex, d, neg_gate);
     at::exp_(neg_gate);
     at::Tensor q2 = at::empty({rows, inter}, qc.options());
     std::vector<float> b(rows);
     swiglu_requant(d, neg_gate, q2, b.data());
-    const at::Tensor acc2 = at::_int_mm(q2, w2e);
-    AT_DISPATCH_REDUCED_FLOATING_TYPES(out_dtype, "expert_ffn_w8a8", [&] {
-      dequant_gmm2<scalar_t>(acc2, s2e, b.data(), y.data_ptr<scalar_t>() + start * hidden);
+    AT_DISPATCH_REDUCED_FLOATING_TYPES(out_dtype, "expert_ffn", [&] {
+      gmm2_stage<scalar_t>(q2, b.data(), ex, y.data_ptr<scalar_t>() + start * hidden);
     });
     start += rows;
   }
   return y;
+}
+
+// A weight matrix of expert e: int8 as stored (W8A8), or int32 words unpacked to int4 values.
+at::Tensor int_weight(const char* name, const char* arg, at::TensorList container, int64_t e, bool packed) {
+  const at::Tensor w = expert_item(container, e, 2);
+  const at::ScalarType want = packed ? at::kInt : at::kChar;
+  TORCH_CHECK(w.scalar_type() == want && w.dim() == 2, "_cam_jit_cpu::", name, ": expert ", e, " ", arg,
+              " must be a 2-D ", packed ? "int32" : "int8", " matrix, got ", w.scalar_type(), " ", w.sizes());
+  return packed ? unpack_int4(w) : w.contiguous();
+}
+
+// q: [M, H] int8 rows grouped by local expert; q_scale: [M] float32; w1/s1/w2/s2: weight
+// containers (§1.3) of [H, 2I] int8, [2I] float, [I, H] int8, [H] float. Returns y: [M, H].
+at::Tensor expert_ffn_w8a8(const at::Tensor& q, const at::Tensor& q_scale, c10::IntArrayRef group_sizes,
+                           at::TensorList w1, at::TensorList s1, at::TensorList w2, at::TensorList s2,
+                           at::ScalarType out_dtype) {
+  constexpr const char* name = "expert_ffn_w8a8";
+  return expert_ffn(name, q, q_scale, group_sizes, out_dtype, [&](int64_t e) {
+    return Expert{int_weight(name, "gmm1 weight", w1, e, false), float_item(s1, e), at::Tensor(),
+                  int_weight(name, "gmm2 weight", w2, e, false), float_item(s2, e), at::Tensor()};
+  });
+}
+
+// As expert_ffn_w8a8 with W4A8 weights (§1.5, §1.9): w1 [H, 2I/8] and w2 [I, H/8] int32 words of
+// packed int4 values, b1 [2I] and b2 [H] float32 compensation biases (containers as the others).
+at::Tensor expert_ffn_w4a8(const at::Tensor& q, const at::Tensor& q_scale, c10::IntArrayRef group_sizes,
+                           at::TensorList w1, at::TensorList s1, at::TensorList b1, at::TensorList w2,
+                           at::TensorList s2, at::TensorList b2, at::ScalarType out_dtype) {
+  constexpr const char* name = "expert_ffn_w4a8";
+  return expert_ffn(name, q, q_scale, group_sizes, out_dtype, [&](int64_t e) {
+    return Expert{int_weight(name, "gmm1 weight", w1, e, true), float_item(s1, e), float_item(b1, e),
+                  int_weight(name, "gmm2 weight", w2, e, true), float_item(s2, e), float_item(b2, e)};
+  });
 }
 
 }  // namespace
@@ -177,6 +301,12 @@ TORCH_LIBRARY_FRAGMENT(_cam_jit_cpu, m) {
   m.def(
       "expert_ffn_w8a8(Tensor q, Tensor q_scale, int[] group_sizes, Tensor[] w1, Tensor[] s1, Tensor[] w2, "
       "Tensor[] s2, ScalarType out_dtype) -> Tensor");
+  m.def(
+      "expert_ffn_w4a8(Tensor q, Tensor q_scale, int[] group_sizes, Tensor[] w1, Tensor[] s1, Tensor[] b1, "
+      "Tensor[] w2, Tensor[] s2, Tensor[] b2, ScalarType out_dtype) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(_cam_jit_cpu, CPU, m) { m.impl("expert_ffn_w8a8", &cam_jit_cpu::expert_ffn_w8a8); }
+TORCH_LIBRARY_IMPL(_cam_jit_cpu, CPU, m) {
+  m.impl("expert_ffn_w8a8", &cam_jit_cpu::expert_ffn_w8a8);
+  m.impl("expert_ffn_w4a8", &cam_jit_cpu::expert_ffn_w4a8);
+}
