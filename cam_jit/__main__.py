@@ -181,8 +181,9 @@ def _ops(args: argparse.Namespace) -> int:
         return 1
     ops = describe_ops()
     width = max((len(op["name"]) for op in ops), default=0)
+    backends = max((len(", ".join(op["backends"])) for op in ops), default=0)
     for op in ops:
-        print(f"{op['name']:<{width}}  {', '.join(op['backends'])}")
+        print(f"{op['name']:<{width}}  {', '.join(op['backends']):<{backends}}  {op['ge_converter']}")
     return 0
 
 
@@ -206,7 +207,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     clean.add_argument("--backend", choices=backends)
     commands.add_parser("doctor", help="show versions, toolchain, cache entries, backends and "
                         "what the NPU (Ascend) path has and needs")
-    commands.add_parser("ops", help="list the ops and their backends")
+    commands.add_parser("ops", help="list the ops, their backends and whether they have a TorchAir GE converter")
     opp_parser = commands.add_parser("opp", help="Ascend operator packages: locate, install, build")
     opp_commands = opp_parser.add_subparsers(dest="opp_command", required=True)
     locate = opp_commands.add_parser("locate", help="list installed vendors holding CAM operators")

@@ -5,6 +5,7 @@ compiles nothing (the C++ kernels are built on the first call that needs them).
 """
 from __future__ import annotations
 
+import sys
 from typing import Dict, List
 
 import torch
@@ -12,9 +13,11 @@ import torch
 from cam_jit.ops import _registry
 from cam_jit.ops._strict import set_strict
 from cam_jit.ops.a2e_e2a import a2e, e2a
-from cam_jit.ops.comm import cam_free_comm, cam_get_and_increase_magic, cam_get_comm, cam_get_magic, cam_get_rank_size
+from cam_jit.ops.comm import (cam_free_comm, cam_get_and_increase_magic, cam_get_comm, cam_get_magic,
+                              cam_get_rank_size)
 from cam_jit.ops.detour import all2_all_detour, reduce_scatter_detour
 from cam_jit.ops.fused_deep_moe import fused_deep_moe
+from cam_jit.ops.graph import ge_converter_status, register_ge_converters
 from cam_jit.ops.groups import register_group
 from cam_jit.ops.moe_lowlatency import moe_combine_lowlatency, moe_dispatch_lowlatency
 from cam_jit.ops.weights import (nd_to_nz, nz_to_nd, pack_int4, permute_gmm1_weight, unpack_int4,
@@ -23,13 +26,17 @@ from cam_jit.ops.weights import (nd_to_nz, nz_to_nd, pack_int4, permute_gmm1_wei
 from cam_jit.ascend.npu_ops import register as _register_npu_kernels
 
 _register_npu_kernels()  # PrivateUse1 kernels; need neither torch_npu nor a compiler until called
+if "torchair" in sys.modules:  # Ascend graph mode in use (torch_npu provides torchair): its converters too
+    register_ge_converters()
 
 _DISPATCH_KEYS = ("CPU", "CompositeExplicitAutograd", "Meta", "PrivateUse1")
 
 
 def describe_ops() -> List[Dict[str, object]]:
-    """One entry per op: qualified name, schema, public function, and the dispatch keys that have
-    a kernel right now (read from the dispatcher, not from a list)."""
+    """One entry per op: qualified name, schema, public function, the dispatch keys that have a
+    kernel right now (read from the dispatcher, not from a list), and its TorchAir GE converter
+    ("GE converter" or "no GE converter: <reason>", from ge_converters/)."""
+    converters = ge_converter_status()
     return [
         {
             "name": info.qualname,
@@ -37,13 +44,20 @@ def describe_ops() -> List[Dict[str, object]]:
             "python_api": f"cam_jit.{info.name}",
             "backends": [key for key in _DISPATCH_KEYS
                          if torch._C._dispatch_has_kernel_for_dispatch_key(info.qualname, key)],
+            "ge_converter": converters.get(info.name, "no GE converter: not listed in ge_converters/"),
         }
         for info in _registry.OPS
     ]
 
 
-__all__ = ["a2e", "all2_all_detour", "cam_free_comm", "cam_get_and_increase_magic", "cam_get_comm", "cam_get_magic",
-           "cam_get_rank_size", "describe_ops", "e2a", "fused_deep_moe", "moe_combine_lowlatency",
-           "moe_dispatch_lowlatency", "nd_to_nz", "nz_to_nd", "pack_int4", "permute_gmm1_weight",
-           "reduce_scatter_detour", "register_group", "set_strict", "unpack_int4", "unpermute_gmm1_weight",
-           "w4a8_compensation_bias"]
+__all__ = [
+    # ops
+    "fused_deep_moe", "moe_dispatch_lowlatency", "moe_combine_lowlatency", "a2e", "e2a",
+    "all2_all_detour", "reduce_scatter_detour",
+    "cam_get_comm", "cam_free_comm", "cam_get_rank_size", "cam_get_and_increase_magic", "cam_get_magic",
+    # weight helpers
+    "pack_int4", "unpack_int4", "w4a8_compensation_bias", "permute_gmm1_weight", "unpermute_gmm1_weight",
+    "nd_to_nz", "nz_to_nd",
+    # configuration and introspection
+    "describe_ops", "register_ge_converters", "register_group", "set_strict",
+]
