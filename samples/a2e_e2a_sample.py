@@ -16,18 +16,17 @@ results and the latency; exits non-zero on a mismatch.
 import argparse
 import math
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import cam_jit
-from cam_jit.ops.a2e_e2a import a2e, e2a
+from cam_jit import a2e, e2a
 from cam_jit.reference import a2e_e2a as reference
+from cpu_ranks import run_on_ranks
 
 EXPERTS = {"identity": lambda t: t, "double": lambda t: t * 2}
 
@@ -83,52 +82,43 @@ def layer(fn_a2e, fn_e2a, args, rank, group, x, ids, scales, **kw):
     return list(out), fn_e2a(expand, out[3], *sizes, 24, **kw)
 
 
-def rank_main(rank, args, port, results):
+def rank_main(rank, args):
     world = args.experts + args.attention
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        group = dist.group.WORLD
-        x, ids, scales = rank_inputs(args, rank)
-        with torch.no_grad():
-            got, back = layer(a2e, e2a, args, rank, group, x, ids, scales, strict=args.strict)
-            want, want_back = layer(reference.a2e, reference.e2a, args, rank, group, x, ids, scales)
-            times = []
-            for _ in range(args.iters):
-                dist.barrier()
-                start = time.perf_counter()
-                layer(a2e, e2a, args, rank, group, x, ids, scales, strict=args.strict)
-                times.append(time.perf_counter() - start)
-        names = ["expand_x", "simulate_expert_ids", "simulate_expert_scales", "atten_batch_size", "x_active_mask"]
-        bad = [n for n, a, b in zip(names, got, want) if a.dtype != b.dtype or not torch.equal(a, b)]
-        if not torch.equal(back, want_back):
-            bad.append("e2a output")
-        ok = not bad
-        if rank < args.experts:
-            role = f"expert rank, serves {list(range(rank + args.experts, world, args.experts))}"
-            lines = [f"a2e: expand_x {list(got[0].shape)}, ids {list(got[1].shape)}, scales {list(got[2].shape)}; "
-                     f"e2a placeholder {list(back.shape)}"]
+    group = dist.group.WORLD
+    x, ids, scales = rank_inputs(args, rank)
+    with torch.no_grad():
+        got, back = layer(a2e, e2a, args, rank, group, x, ids, scales, strict=args.strict)
+        want, want_back = layer(reference.a2e, reference.e2a, args, rank, group, x, ids, scales)
+        times = []
+        for _ in range(args.iters):
+            dist.barrier()
+            start = time.perf_counter()
+            layer(a2e, e2a, args, rank, group, x, ids, scales, strict=args.strict)
+            times.append(time.perf_counter() - start)
+    names = ["expand_x", "simulate_expert_ids", "simulate_expert_scales", "atten_batch_size", "x_active_mask"]
+    bad = [n for n, a, b in zip(names, got, want) if a.dtype != b.dtype or not torch.equal(a, b)]
+    if not torch.equal(back, want_back):
+        bad.append("e2a output")
+    ok = not bad
+    if rank < args.experts:
+        role = f"expert rank, serves {list(range(rank + args.experts, world, args.experts))}"
+        lines = [f"a2e: expand_x {list(got[0].shape)}, ids {list(got[1].shape)}, scales {list(got[2].shape)}; "
+                 f"e2a placeholder {list(back.shape)}"]
+    else:
+        role = f"attention rank -> expert {rank % args.experts}, slot {rank // args.experts - 1}"
+        expected = EXPERTS[args.expert](x.to(torch.bfloat16))
+        if round_trip_promised(args, rank):
+            same = torch.equal(back, expected)
+            ok &= same
+            trip = f"e2a returned expert(x) bitwise: {same}"
         else:
-            role = f"attention rank -> expert {rank % args.experts}, slot {rank // args.experts - 1}"
-            expected = EXPERTS[args.expert](x.to(torch.bfloat16))
-            if round_trip_promised(args, rank):
-                same = torch.equal(back, expected)
-                ok &= same
-                trip = f"e2a returned expert(x) bitwise: {same}"
-            else:
-                trip = "no round trip promised here (SPEC §2.4, uneven ratio)"
-            lines = [f"x {list(x.shape)} {args.dtype} -> e2a {list(back.shape)} bf16; {trip}"]
-        lines.append("matches the reference" if not bad else f"MISMATCH against the reference: {bad}")
-        lines.append(f"latency a2e + e2a: {statistics.median(times) * 1e3:.3f} ms" if times else "")
-        results[rank] = (ok, role, [line for line in lines if line])
-    finally:
-        dist.destroy_process_group()
+            trip = "no round trip promised here (SPEC §2.4, uneven ratio)"
+        lines = [f"x {list(x.shape)} {args.dtype} -> e2a {list(back.shape)} bf16; {trip}"]
+    lines.append("matches the reference" if not bad else f"MISMATCH against the reference: {bad}")
+    lines.append(f"latency a2e + e2a: {statistics.median(times) * 1e3:.3f} ms" if times else "")
+    return (ok, role, [line for line in lines if line])
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv=None):
@@ -138,10 +128,7 @@ def main(argv=None):
           f"ranks, batch_size={args.bs} (per attention rank {args.bs // math.ceil(args.attention / args.experts)}), "
           f"H={args.hidden}, top-{args.topk}, compute_gate={args.compute_gate}, {args.dtype}, "
           f"expert={args.expert}{', strict' if args.strict else ''}")
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(rank_main, args=(args, free_port(), results), nprocs=world, join=True)
-        results = dict(results)
+    results = run_on_ranks(rank_main, args, world)
     passed = True
     for rank in range(world):
         ok, role, lines = results[rank]

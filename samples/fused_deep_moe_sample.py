@@ -11,17 +11,16 @@ their difference and latency. Exits non-zero on a mismatch.
 """
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import cam_jit
 from cam_jit import reference
+from cpu_ranks import run_on_ranks
 
 
 def parse_args(argv=None):
@@ -103,31 +102,22 @@ def compare(name, got, want, rows):
                f"mean |diff| {diff.mean().item() if diff.numel() else 0:.3g}, exact {torch.equal(got, want)}"
 
 
-def rank_main(rank, args, port, results):
+def rank_main(rank, args):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.ranks)
-    try:
-        kw = layer_inputs(args, rank)
-        with torch.no_grad():
-            fused, t_fused = timed(cam_jit.fused_deep_moe, kw, args.iters)
-            small, t_small = timed(reference.fused_deep_moe, kw, args.iters)
-        active = int(kw["x_active_mask"].sum()) if args.mask else args.bs
-        ok_out, line_out = compare("output", fused[0], small[0], active)
-        ok_share, line_share = compare("share_output", fused[1], small[1], args.bs)
-        ok_counts = torch.equal(fused[2], small[2])
-        lines = [line_out, line_share, f"expert_token_nums {fused[2].tolist()} "
-                 f"{'==' if ok_counts else '!='} reference {small[2].tolist()}",
-                 f"latency: fused {t_fused * 1e3:.2f} ms, small ops {t_small * 1e3:.2f} ms "
-                 f"({t_small / t_fused:.1f}x)"]
-        results[rank] = (ok_out and ok_share and ok_counts, lines)
-    finally:
-        dist.destroy_process_group()
+    kw = layer_inputs(args, rank)
+    with torch.no_grad():
+        fused, t_fused = timed(cam_jit.fused_deep_moe, kw, args.iters)
+        small, t_small = timed(reference.fused_deep_moe, kw, args.iters)
+    active = int(kw["x_active_mask"].sum()) if args.mask else args.bs
+    ok_out, line_out = compare("output", fused[0], small[0], active)
+    ok_share, line_share = compare("share_output", fused[1], small[1], args.bs)
+    ok_counts = torch.equal(fused[2], small[2])
+    lines = [line_out, line_share, f"expert_token_nums {fused[2].tolist()} "
+             f"{'==' if ok_counts else '!='} reference {small[2].tolist()}",
+             f"latency: fused {t_fused * 1e3:.2f} ms, small ops {t_small * 1e3:.2f} ms "
+             f"({t_small / t_fused:.1f}x)"]
+    return (ok_out and ok_share and ok_counts, lines)
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv=None):
@@ -136,10 +126,7 @@ def main(argv=None):
           f"H={args.hidden}, I={args.inter}, E={args.experts}, top-{args.topk}, {args.dtype}, "
           f"options: {[o for o in ('share', 'smooth', 'mask', 'eplb') if getattr(args, o)] or 'none'}")
     cam_jit.load()  # build (or load) the kernels once, before the ranks start
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(rank_main, args=(args, free_port(), results), nprocs=args.ranks, join=True)
-        results = dict(results)
+    results = run_on_ranks(rank_main, args, args.ranks)
     passed = True
     for rank in range(args.ranks):
         ok, lines = results[rank]
