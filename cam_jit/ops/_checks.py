@@ -74,3 +74,17 @@ def shape(op: str, arg: str, t: torch.Tensor, expected: Sequence[int], meaning: 
 def device(op: str, arg: str, t: torch.Tensor, expected: torch.device) -> None:
     if t.device != expected:
         fail(op, arg, f"a tensor on {expected} (the device of 'x')", t.device)
+
+
+def expert_parallel(op: str, size_arg: str, ranks: int, rank: int, experts: int, global_bs: int) -> int:
+    """The EP attributes every MoE op shares: R = `size_arg` > 0, 0 <= ep_rank_id < R,
+    moe_expert_num a positive multiple of R, global_bs 0 or a multiple of R. Returns E_loc."""
+    if ranks <= 0:
+        fail(op, size_arg, "> 0", ranks)
+    if not 0 <= rank < ranks:
+        fail(op, "ep_rank_id", f"0 <= ep_rank_id < {size_arg} ({ranks})", rank)
+    if experts <= 0 or experts % ranks:
+        fail(op, "moe_expert_num", f"a positive multiple of {size_arg} ({ranks})", experts)
+    if global_bs < 0 or global_bs % ranks:
+        fail(op, "global_bs", f"0 or a positive multiple of {size_arg} ({ranks})", global_bs)
+    return experts // ranks

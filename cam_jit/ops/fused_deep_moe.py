@@ -118,16 +118,7 @@ def validate(
 ) -> Layout:
     """Basic validation (SPEC.md §0.6) of everything knowable without reading tensor data, for
     arguments of the schema's types (the dispatcher has checked those). Works on fake tensors."""
-    ranks, rank, experts, gbs = ep_rank_size, ep_rank_id, moe_expert_num, global_bs
-    if ranks <= 0:
-        check.fail(OP, "ep_rank_size", "> 0", ranks)
-    if not 0 <= rank < ranks:
-        check.fail(OP, "ep_rank_id", f"0 <= ep_rank_id < ep_rank_size ({ranks})", rank)
-    if experts <= 0 or experts % ranks:
-        check.fail(OP, "moe_expert_num", f"a positive multiple of ep_rank_size ({ranks})", experts)
-    if gbs < 0 or gbs % ranks:
-        check.fail(OP, "global_bs", f"0 or a positive multiple of ep_rank_size ({ranks})", gbs)
-    local_experts = experts // ranks
+    local_experts = check.expert_parallel(OP, "ep_rank_size", ep_rank_size, ep_rank_id, moe_expert_num, global_bs)
 
     check.ndim(OP, "x", x, 2)
     check.dtype(OP, "x", x, (torch.bfloat16, torch.float16))
@@ -229,7 +220,7 @@ def validate(
     smooth, share_smooth = expert_smooth_scales, share_smooth_scales
     if smooth is not None:
         check.dtype(OP, "expert_smooth_scales", smooth, (torch.float32,))
-        check.shape(OP, "expert_smooth_scales", smooth, [experts, hidden], "[moe_expert_num, H], by global expert id")
+        check.shape(OP, "expert_smooth_scales", smooth, [moe_expert_num, hidden], "[moe_expert_num, H], by global expert id")
         if shared and share_smooth is None:
             check.fail(OP, "share_smooth_scales", "a float32 [H] tensor when expert_smooth_scales and a shared "
                        "expert are given", None)

@@ -40,19 +40,6 @@ QUANT_MODES = {0: "no quantisation", 2: "dynamic per-token int8"}
 ASSIST_FIELDS = 3  # per row: source rank, source token t, k
 
 
-def _check_group_args(op: str, ranks: int, rank: int, experts: int, global_bs: int) -> int:
-    """Common attribute checks; returns E_loc."""
-    if ranks <= 0:
-        check.fail(op, "ep_world_size", "> 0", ranks)
-    if not 0 <= rank < ranks:
-        check.fail(op, "ep_rank_id", f"0 <= ep_rank_id < ep_world_size ({ranks})", rank)
-    if experts <= 0 or experts % ranks:
-        check.fail(op, "moe_expert_num", f"a positive multiple of ep_world_size ({ranks})", experts)
-    if global_bs < 0 or global_bs % ranks:
-        check.fail(op, "global_bs", f"0 or a positive multiple of ep_world_size ({ranks})", global_bs)
-    return experts // ranks
-
-
 def _check_routing(op: str, expert_ids, x_active_mask, batch: int, device) -> None:
     check.ndim(op, "expert_ids", expert_ids, 2)
     check.dtype(op, "expert_ids", expert_ids, (torch.int32,))
@@ -77,7 +64,7 @@ def _validate_dispatch(x, expert_ids, scales, x_active_mask, group_ep, ep_world_
                        quant_mode, global_bs) -> Tuple[int, int]:
     """Returns (E_loc, A)."""
     op = DISPATCH_OP
-    local_experts = _check_group_args(op, ep_world_size, ep_rank_id, moe_expert_num, global_bs)
+    local_experts = check.expert_parallel(op, "ep_world_size", ep_world_size, ep_rank_id, moe_expert_num, global_bs)
     if quant_mode not in QUANT_MODES:
         check.fail(op, "quant_mode", " or ".join(f"{k} ({v})" for k, v in QUANT_MODES.items()), quant_mode)
     check.ndim(op, "x", x, 2)
@@ -152,7 +139,7 @@ def _dispatch_cpu(x, expert_ids, scales, x_active_mask, group_ep, ep_world_size,
 def _validate_combine(expand_x, expert_ids, assist_info_for_combine, ep_send_counts, expert_scales, x_active_mask,
                       group_ep, ep_world_size, ep_rank_id, moe_expert_num, global_bs) -> None:
     op = COMBINE_OP
-    local_experts = _check_group_args(op, ep_world_size, ep_rank_id, moe_expert_num, global_bs)
+    local_experts = check.expert_parallel(op, "ep_world_size", ep_world_size, ep_rank_id, moe_expert_num, global_bs)
     check.ndim(op, "expand_x", expand_x, 2)
     check.dtype(op, "expand_x", expand_x, (torch.bfloat16, torch.float16))
     check.ndim(op, "expert_ids", expert_ids, 2)

@@ -24,7 +24,7 @@ the sum is exact) brings every ``y`` back to its source rank, which combines its
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
