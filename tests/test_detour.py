@@ -181,7 +181,7 @@ def _magic_and_failures(port):
         seen.append(cam_get_magic(c.comm_id))
         # a detour rank returns without waiting for the members
         if rank == 0:
-            time.sleep(1.5)
+            time.sleep(4.0)
         start = time.monotonic()
         all2_all_detour(x, ids([0]), c.args, c.comm_id)
         elapsed = time.monotonic() - start
@@ -212,7 +212,7 @@ def test_magic_promptness_disagreement_strict(rank_pool):
         assert after == [0.0, 0.0, 1.0, 1.0]
         assert strict_text is not None and "strict" in strict_text and "'sendData'" in strict_text
         assert "len(commRankIds) = 2" in strict_text and "(got 5)" in strict_text
-    assert results[1][1] < 1.0, f"the detour rank waited {results[1][1]:.2f} s for a member"
+    assert results[1][1] < 2.0, f"the detour rank waited {results[1][1]:.2f} s for the member that slept 4 s"
 
 
 def _timeout(port):

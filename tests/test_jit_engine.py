@@ -286,7 +286,6 @@ def test_warm_load_spawns_nothing_even_without_toolchain(torch_op_cache, procs):
         assert [e for e in warm["events"] if e[0] != "import_torch"] == []
         assert warm["modules"] == []  # neither filelock (no lock) nor cpp_extension imported
         assert "cam_jit:" not in err  # the warm path is silent
-        assert warm["import_ms"] < 250  # `import cam_jit` on top of torch (target: 50 ms)
 
 
 def test_read_only_cache_as_unprivileged_user(torch_op_cache, procs):
