@@ -72,11 +72,20 @@ def test_clean_skips_an_entry_being_built(capsys):
 def test_ops_prints_the_op_registry(capsys):
     from cam_jit.ops import describe_ops
 
+    import cam_jit
+
     assert main(["ops"]) == 0
     out = capsys.readouterr().out
-    for op in describe_ops():
+    ops = describe_ops()
+    assert {op["name"] for op in ops} >= {
+        f"cam_jit::{name}" for name in ("fused_deep_moe", "moe_dispatch_lowlatency", "moe_combine_lowlatency", "a2e",
+                                        "e2a", "all2_all_detour", "reduce_scatter_detour", "cam_get_comm",
+                                        "cam_free_comm")}
+    for op in ops:
         line = next(line for line in out.splitlines() if line.split()[0] == op["name"])
-        assert all(backend in line for backend in op["backends"])
+        assert "CPU" in op["backends"] and "Meta" in op["backends"], op
+        assert all(backend in line for backend in op["backends"]) and op["ge_converter"] in line
+        assert callable(getattr(cam_jit, op["python_api"].split(".")[1]))
 
 
 def test_module_entry_point_in_a_fresh_process(tmp_path):

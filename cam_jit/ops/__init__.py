@@ -29,12 +29,13 @@ _register_npu_kernels()  # PrivateUse1 kernels; need neither torch_npu nor a com
 if "torchair" in sys.modules:  # Ascend graph mode in use (torch_npu provides torchair): its converters too
     register_ge_converters()
 
-_DISPATCH_KEYS = ("CPU", "CompositeExplicitAutograd", "Meta", "PrivateUse1")
+_DISPATCH_KEYS = ("CPU", "Meta", "PrivateUse1")
 
 
 def describe_ops() -> List[Dict[str, object]]:
-    """One entry per op: qualified name, schema, public function, the dispatch keys that have a
-    kernel right now (read from the dispatcher, not from a list), and its TorchAir GE converter
+    """One entry per op: qualified name, schema, public function, the backends (dispatch keys) that
+    have a kernel right now (read from the dispatcher, not from a list; a composite kernel of a
+    host-side op counts for every backend), and its TorchAir GE converter
     ("GE converter" or "no GE converter: <reason>", from ge_converters/)."""
     converters = ge_converter_status()
     return [
@@ -43,7 +44,7 @@ def describe_ops() -> List[Dict[str, object]]:
             "schema": info.name + info.schema,
             "python_api": f"cam_jit.{info.name}",
             "backends": [key for key in _DISPATCH_KEYS
-                         if torch._C._dispatch_has_kernel_for_dispatch_key(info.qualname, key)],
+                         if torch._C._dispatch_has_computed_kernel_for_dispatch_key(info.qualname, key)],
             "ge_converter": converters.get(info.name, "no GE converter: not listed in ge_converters/"),
         }
         for info in _registry.OPS
