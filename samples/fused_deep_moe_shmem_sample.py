@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 import cam_jit
-from cam_jit.zero_buffer import FusedDeepMoeBuffer  # exported as cam_jit.FusedDeepMoeBuffer
 from cpu_ranks import free_port, run_on_ranks
 
 
@@ -101,7 +100,7 @@ def rank_main(rank, args):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks))
     zb_args = positional_args(args, rank)
     kw = dict(zip(NAMES, zb_args), group_ep=dist.group.WORLD)
-    buffer = FusedDeepMoeBuffer()
+    buffer = cam_jit.FusedDeepMoeBuffer()
     buffer.init(rank, args.ranks, args.memsize << 20, args.ip_port)
     try:
         with torch.no_grad():

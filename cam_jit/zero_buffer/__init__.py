@@ -1,0 +1,9 @@
+"""The zero-copy expert-parallel buffer (SPEC.md §5): `FusedDeepMoeBuffer`.
+
+On CPU its symmetric heap is POSIX shared memory, one segment per rank on one host; importing
+this package registers the `cpu_zb` JIT backend (compiled on the first `init`, never for plain
+CPU users of the other ops).
+"""
+from cam_jit.zero_buffer.buffer import FusedDeepMoeBuffer
+
+__all__ = ["FusedDeepMoeBuffer"]
