@@ -2,7 +2,7 @@
 value and the actual value."""
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional, Sequence, Union
+from typing import Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 
@@ -50,6 +50,19 @@ def argument_types(op: str, tensors: Dict[str, object], optional: Dict[str, obje
         optional_tensor(op, arg, value)
     for arg, value in ints.items():
         integer(op, arg, value)
+
+
+def weight_list(op: str, arg: str, value: object) -> List["torch.Tensor"]:
+    """A weight-container argument (a tensor, or a list/tuple of tensors; None -> []) as the
+    schema's Tensor[]."""
+    if value is None:
+        return []
+    items = [value] if isinstance(value, torch.Tensor) else value
+    if not isinstance(items, (list, tuple)):
+        fail(op, arg, "a tensor or a list of tensors", type(value).__name__, TypeError)
+    for i, t in enumerate(items):
+        tensor(op, f"{arg}[{i}]", t)
+    return list(items)
 
 
 def dtype(op: str, arg: str, t: torch.Tensor, allowed: Iterable[torch.dtype]) -> None:

@@ -301,33 +301,25 @@ def _cpu(x, expert_ids, gmm1_weight, gmm1_weight_scale, gmm2_weight, gmm2_weight
     y = _moe_cpu.return_rows(OP, route, y)
     output = kernels.combine(y, _moe_cpu.pair_rows(route, layout.batch, layout.topk), expert_scales, active)
 
-    if layout.shared:
-        share_smooth = share_smooth_scales.view(1, -1) if smooth is not None else None
-        sq, sq_scale = kernels.quantize_rows(
-            x, share_smooth, None, torch.zeros(layout.batch, dtype=torch.int64) if share_smooth is not None else None
-        )
-        share_bias1, share_bias2 = ([share_gmm1_bias], [share_gmm2_bias]) if layout.w4a8 else ([], [])
-        share_output = _expert_ffn(kernels, layout, sq, sq_scale, [layout.batch], [share_gmm1_weight],
-                                   [share_gmm1_weight_scale], share_bias1, [share_gmm2_weight],
-                                   [share_gmm2_weight_scale], share_bias2, x.dtype)
-    else:
-        share_output = torch.zeros_like(x)
-    return [output, share_output, expert_token_nums]
+    return [output, shared_expert_output(kernels, layout, locals()), expert_token_nums]
+
+
+def shared_expert_output(kernels, layout: Layout, args: dict) -> torch.Tensor:
+    """share_output (SPEC.md §1.10): the shared expert on all BS tokens of `args` (the schema's
+    arguments by name), smoothed only when routed smooth scales are given; zeros without one."""
+    x = args["x"]
+    if not layout.shared:
+        return torch.zeros_like(x)
+    smooth = args["share_smooth_scales"] if args["expert_smooth_scales"] is not None else None
+    q, q_scale = kernels.quantize_rows(x, None if smooth is None else smooth.view(1, -1), None,
+                                       None if smooth is None else torch.zeros(layout.batch, dtype=torch.int64))
+    biases = ([args["share_gmm1_bias"]], [args["share_gmm2_bias"]]) if layout.w4a8 else ([], [])
+    return _expert_ffn(kernels, layout, q, q_scale, [layout.batch], [args["share_gmm1_weight"]],
+                       [args["share_gmm1_weight_scale"]], biases[0], [args["share_gmm2_weight"]],
+                       [args["share_gmm2_weight_scale"]], biases[1], x.dtype)
 
 
 define_op(OpInfo(OP, SCHEMA), _fake, _cpu)
-
-
-def _as_list(arg: str, value: Optional[TensorOrList]) -> List[torch.Tensor]:
-    """A weight container argument as the schema's Tensor[] (None -> [])."""
-    if value is None:
-        return []
-    items = [value] if isinstance(value, torch.Tensor) else value
-    if not isinstance(items, (list, tuple)):
-        check.fail(OP, arg, "a tensor or a list of tensors", type(value).__name__, TypeError)
-    for i, t in enumerate(items):
-        check.tensor(OP, f"{arg}[{i}]", t)
-    return list(items)
 
 
 def fused_deep_moe(
@@ -418,15 +410,15 @@ def fused_deep_moe(
         check.integer(OP, arg, value)
     args = dict(
         x=x, expert_ids=expert_ids,
-        gmm1_weight=_as_list("gmm1_weight", gmm1_weight),
-        gmm1_weight_scale=_as_list("gmm1_weight_scale", gmm1_weight_scale),
-        gmm2_weight=_as_list("gmm2_weight", gmm2_weight),
-        gmm2_weight_scale=_as_list("gmm2_weight_scale", gmm2_weight_scale),
+        gmm1_weight=check.weight_list(OP, "gmm1_weight", gmm1_weight),
+        gmm1_weight_scale=check.weight_list(OP, "gmm1_weight_scale", gmm1_weight_scale),
+        gmm2_weight=check.weight_list(OP, "gmm2_weight", gmm2_weight),
+        gmm2_weight_scale=check.weight_list(OP, "gmm2_weight_scale", gmm2_weight_scale),
         expert_scales=expert_scales, share_gmm1_weight=share_gmm1_weight,
         share_gmm1_weight_scale=share_gmm1_weight_scale, share_gmm2_weight=share_gmm2_weight,
         share_gmm2_weight_scale=share_gmm2_weight_scale, expert_smooth_scales=expert_smooth_scales,
         share_smooth_scales=share_smooth_scales, x_active_mask=x_active_mask,
-        gmm1_bias=_as_list("gmm1_bias", gmm1_bias), gmm2_bias=_as_list("gmm2_bias", gmm2_bias),
+        gmm1_bias=check.weight_list(OP, "gmm1_bias", gmm1_bias), gmm2_bias=check.weight_list(OP, "gmm2_bias", gmm2_bias),
         share_gmm1_bias=share_gmm1_bias, share_gmm2_bias=share_gmm2_bias,
         group_ep=group_ep_name(OP, group_ep), ep_rank_size=ep_rank_size, ep_rank_id=ep_rank_id,
         moe_expert_num=moe_expert_num, quant_mode=quant_mode, global_bs=global_bs,
