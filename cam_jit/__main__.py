@@ -41,6 +41,9 @@ def _compile_only(args: argparse.Namespace) -> int:
                f"{spec.extra_key['torch_npu_dir']})" if spec.backend == "npu" else "")
     print(f"cam_jit: {len(results) - len(failed)}/{len(results)} translation units of the "
           f"{spec.backend} backend compile{against}", file=sys.stderr)
+    excluded = build.shmem_part().excluded if spec.backend == "npu" else None
+    if excluded:
+        print(f"cam_jit: {excluded}", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -6,6 +6,7 @@ version file are extracted, to a temporary directory that is never on ``sys.path
 never installed (its backend autoload entry point would break ``import torch`` here). Without
 network access to the package registry the test skips and says so.
 """
+import dataclasses
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cam_jit.ascend import build
+from cam_jit.ascend import build, report
 from cam_jit.jit.spec import BuildSpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,16 +63,89 @@ def torch_npu_root(tmp_path_factory):
 
 def test_every_wrapper_compiles_against_the_torch_npu_headers(torch_npu_root):
     env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("SHMEM_HOME_PATH", None)
     run = subprocess.run([sys.executable, "-m", "cam_jit", "build", "--backend", "npu",
                           "--compile-only", "--torch-npu-root", str(torch_npu_root)],
                          capture_output=True, text=True, timeout=900, cwd="/", env=env)
     assert run.returncode == 0, run.stdout + run.stderr
-    sources = sorted(p.name for p in build.wrappers_dir().glob("*.cpp"))
+    sources = sorted(p.name for p in build.wrappers_dir().glob("*.cpp") if p.name != "zb_shmem.cpp")
     compiled = sorted(Path(line.split()[1]).name for line in run.stdout.splitlines()
                       if line.startswith("ok"))
     assert compiled == sources and "npu_runtime.cpp" in sources
     assert f"{len(sources)}/{len(sources)} translation units of the npu backend compile" in run.stderr
     assert f"{TORCH_NPU_VERSION} torch_npu headers from {torch_npu_root}/torch_npu" in run.stderr
+    assert "cam_jit: FusedDeepMoeBuffer on NPU: excluded (SHMEM_HOME_PATH not set)" in run.stderr
+
+
+# A stand-in for Ascend SHMEM's host API (declarations only, written for this test from the API
+# names and types: aclshmemx_init_attr with a bootstrap flag and the attribute struct, init status,
+# aclshmem_malloc/free/finalize). MALLOC is dropped by the test that checks the header is used.
+SHMEM_STANDIN = """#pragma once
+#include <cstddef>
+#include <cstdint>
+enum aclshmemx_bootstrap_t : int { ACLSHMEMX_INIT_WITH_DEFAULT = 1 << 2 };
+enum { ACLSHMEM_STATUS_NOT_INITIALIZED = 0, ACLSHMEM_STATUS_SHM_CREATED, ACLSHMEM_STATUS_IS_INITIALIZED };
+struct aclshmem_init_optional_attr_t { int version; int data_op_engine_type; uint32_t timeouts[3]; int32_t sock_fd; };
+typedef struct aclshmemx_init_attr_t {
+  int my_pe; int n_pes; char ip_port[64] = {}; uint64_t local_mem_size;
+  aclshmem_init_optional_attr_t option_attr = {1, 1, {120, 120, 120}, -1};
+  void* comm_args = nullptr; uint64_t instance_id = 0;
+} aclshmemx_init_attr_t;
+extern "C" {
+int aclshmemx_init_attr(aclshmemx_bootstrap_t bootstrap_flags, aclshmemx_init_attr_t* attributes);
+int aclshmemx_init_status(void);
+MALLOC
+void aclshmem_free(void* ptr);
+int aclshmem_finalize(void);
+}
+"""
+
+
+def shmem_home(tmp_path, with_malloc=True):
+    home = tmp_path / "shmem"
+    (home / "include").mkdir(parents=True)
+    malloc = "void* aclshmem_malloc(size_t size);" if with_malloc else ""
+    (home / "include" / "shmem.h").write_text(SHMEM_STANDIN.replace("MALLOC", malloc))
+    return home
+
+
+def test_shmem_wrapper_is_built_only_with_shmem(torch_npu_root, tmp_path, monkeypatch):
+    monkeypatch.delenv("SHMEM_HOME_PATH", raising=False)
+    spec = build.npu_spec(torch_npu_root, runtime_soc=False)
+    assert "zb_shmem.cpp" not in [p.name for p in spec.sources] and "shmem_home" not in spec.extra_key
+    assert not any("SHMEM" in f or "shmem" in f for f in spec.cflags + spec.ldflags)
+    monkeypatch.setenv("SHMEM_HOME_PATH", str(tmp_path))
+    assert "no include/shmem.h or shmem/include/shmem.h under SHMEM_HOME_PATH=" in build.shmem_part().excluded
+    assert "zb_shmem.cpp" not in [p.name for p in build.npu_spec(torch_npu_root, runtime_soc=False).sources]
+
+    home = shmem_home(tmp_path)
+    monkeypatch.setenv("SHMEM_HOME_PATH", str(home))
+    spec = build.npu_spec(torch_npu_root, runtime_soc=False)
+    assert "zb_shmem.cpp" in [p.name for p in spec.sources] and spec.extra_key["shmem_home"] == str(home)
+    assert "-DCAM_JIT_WITH_SHMEM" in spec.cflags and f"-I{home / 'include'}" in spec.cflags
+    assert "-lshmem" in spec.ldflags and f"-L{home / 'lib'}" in spec.ldflags
+
+
+@pytest.mark.parametrize("with_malloc", [True, False])
+def test_shmem_wrapper_compiles_against_a_stand_in_shmem_header(torch_npu_root, tmp_path, monkeypatch,
+                                                                with_malloc):
+    monkeypatch.setenv("SHMEM_HOME_PATH", str(shmem_home(tmp_path, with_malloc)))
+    spec = build.npu_spec(torch_npu_root, runtime_soc=False)
+    spec = dataclasses.replace(spec, sources=tuple(p for p in spec.sources if p.name == "zb_shmem.cpp"))
+    (result,) = build.compile_only(spec)
+    if with_malloc:
+        assert result.errors == (), result.errors
+    else:  # the header is really used: without aclshmem_malloc the wrapper does not compile
+        assert result.errors and "aclshmem_malloc" in result.errors[0]
+
+
+def test_doctor_reports_the_shmem_wrapper(tmp_path, monkeypatch):
+    monkeypatch.delenv("SHMEM_HOME_PATH", raising=False)
+    text = "\n".join(report.lines(report.discover_stack(runtime_soc=False)))
+    assert "FusedDeepMoeBuffer on NPU: excluded (SHMEM_HOME_PATH not set)" in text
+    monkeypatch.setenv("SHMEM_HOME_PATH", str(shmem_home(tmp_path)))
+    text = "\n".join(report.lines(report.discover_stack(runtime_soc=False)))
+    assert "FusedDeepMoeBuffer on NPU: included in the NPU build" in text and "excluded" not in text
 
 
 def test_spec_carries_torch_npu_facts_in_key_and_flags(torch_npu_root, monkeypatch):

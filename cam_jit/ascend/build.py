@@ -6,6 +6,10 @@ torch_npu / CANN / SoC in the cache key. :func:`compile_only` compiles each tran
 spec to an object file with the compiler flags ``torch.utils.cpp_extension`` uses, without
 linking or loading anything: usable on a machine without an NPU, against an installed torch_npu
 or the ``torch_npu/`` directory extracted from its wheel.
+
+``zb_shmem.cpp`` (FusedDeepMoeBuffer's Ascend SHMEM heap, SPEC.md §5.1) is built only with SHMEM
+(:func:`shmem_part`): ``SHMEM_HOME_PATH`` set and its ``shmem.h`` found; otherwise it is left out
+and :func:`shmem_part` says why (``doctor`` and ``build --compile-only`` print it).
 """
 from __future__ import annotations
 
@@ -56,12 +60,50 @@ def torch_npu_package(root: Optional[Path]) -> Tuple[Path, Optional[str]]:
     return package, match.group(1) if match else None
 
 
+SHMEM_SOURCE = "zb_shmem.cpp"  # the one wrapper that needs SHMEM
+SHMEM_HEADER = "shmem.h"
+SHMEM_FEATURE = "FusedDeepMoeBuffer on NPU"
+
+
+@dataclass(frozen=True)
+class ShmemPart:
+    """How the SHMEM wrapper enters the NPU build: ``excluded`` is None when it is built (with
+    ``cflags``/``ldflags``/``key``), else the line saying why it is not."""
+
+    excluded: Optional[str]
+    cflags: Tuple[str, ...] = ()
+    ldflags: Tuple[str, ...] = ()
+    key: Tuple[Tuple[str, str], ...] = ()
+
+
+def shmem_part() -> ShmemPart:
+    """The SHMEM part of the NPU build, read from ``SHMEM_HOME_PATH`` now: its include directory
+    (``include/`` or ``shmem/include/`` holding ``shmem.h``) and library (``libshmem*.so``, see
+    :func:`cam_jit.ascend.discover.find_shmem`; ``-lshmem`` under ``lib/`` when not found)."""
+    value = os.environ.get("SHMEM_HOME_PATH")
+    if not value:
+        return ShmemPart(f"{SHMEM_FEATURE}: excluded (SHMEM_HOME_PATH not set)")
+    home = Path(value).expanduser().absolute()
+    includes = [home / sub for sub in ("include", "shmem/include") if (home / sub / SHMEM_HEADER).is_file()]
+    if not includes:
+        return ShmemPart(f"{SHMEM_FEATURE}: excluded (no include/{SHMEM_HEADER} or shmem/include/"
+                         f"{SHMEM_HEADER} under SHMEM_HOME_PATH={value})")
+    library = discover.find_shmem().library
+    lib_dir = library.parent if library is not None else home / "lib"
+    lib_name = library.name[3:].split(".so")[0] if library is not None else "shmem"
+    return ShmemPart(None, cflags=("-DCAM_JIT_WITH_SHMEM", f"-I{includes[0]}"),
+                     ldflags=(f"-L{lib_dir}", f"-l{lib_name}", f"-Wl,-rpath,{lib_dir}"),
+                     key=(("shmem_home", str(home)), ("shmem_library", str(library or "unknown"))))
+
+
 def npu_spec(torch_npu_root: Optional[Path] = None, runtime_soc: bool = True) -> BuildSpec:
     """The NPU backend's spec (see the module docstring); ``runtime_soc`` asks torch_npu's runtime
     for the SoC (False for compile-only checks)."""
     package, version = torch_npu_package(torch_npu_root)
     wrappers = wrappers_dir()
-    sources = tuple(sorted(wrappers.glob("*.cpp")))
+    shmem = shmem_part()
+    sources = tuple(sorted(p for p in wrappers.glob("*.cpp")
+                           if shmem.excluded is None or p.name != SHMEM_SOURCE))
     if not sources:
         raise JitError(f"no C++ sources (*.cpp) in {wrappers}: this cam_jit installation is "
                        "incomplete (reinstall it, or run from a complete checkout)")
@@ -74,9 +116,10 @@ def npu_spec(torch_npu_root: Optional[Path] = None, runtime_soc: bool = True) ->
         ldflags += [f"-L{p}" for p in (cann.home / "lib64",) if p.is_dir()]
     return BuildSpec(backend="npu", name="cam_jit_npu", root=wrappers, sources=sources,
                      headers=tuple(sorted(wrappers.glob("*.h"))), include_dirs=(wrappers,),
-                     cflags=tuple(cflags), ldflags=tuple(ldflags),
+                     cflags=tuple(cflags) + shmem.cflags, ldflags=tuple(ldflags) + shmem.ldflags,
                      extra_key={"torch_npu": version or "unknown", "torch_npu_dir": str(package),
-                                "cann": cann.version or "none", "soc": soc.name or "unknown"})
+                                "cann": cann.version or "none", "soc": soc.name or "unknown",
+                                **dict(shmem.key)})
 
 
 def _cxx_standard() -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
-from cam_jit.ascend import discover, opp, registry
+from cam_jit.ascend import build, discover, opp, registry
 
 INSTALL_FIX = ("install an opp package that contains it: `python -m cam_jit opp install "
                "<package>.run`, or build one with `python -m cam_jit opp build <kernel source tree>`"
@@ -113,6 +113,7 @@ def lines(stack: Stack) -> List[str]:
                     else f"none visible (SoC {s.source}); run on an Ascend NPU machine, or set "
                     f"{discover.SOC_ENV}=ascend910_93 to check a configuration without one"))
     out.append(_row("SHMEM", f"{sh.home} ({sh.library})" if not sh.problem else sh.problem))
+    out.append(_row("", build.shmem_part().excluded or f"{build.SHMEM_FEATURE}: included in the NPU build"))
     vendor_lines = opp.vendor_summary(stack.vendors)
     out.append(_row("vendors", "none found" if not vendor_lines else vendor_lines[0]))
     out += [_row("", line) for line in vendor_lines[1:]]

@@ -3,7 +3,9 @@
 On CPU the symmetric heap is one POSIX shared-memory segment per rank (`_heap`), and tokens
 travel by direct stores into the peers' segments (`_transport`). The math is fused_deep_moe's
 (§1.8), computed by the same JIT-compiled kernels in the same order, so results are bit-identical
-to `cam_jit.fused_deep_moe`; only the transport differs.
+to `cam_jit.fused_deep_moe`; only the transport differs. On the NPU (torch_npu with a device) the
+heap is Ascend SHMEM's and a call is the NPU fused_deep_moe kernel with the heap's addresses
+(`_npu`).
 """
 from __future__ import annotations
 
@@ -15,12 +17,14 @@ from cam_jit.ops import _checks as check
 from cam_jit.ops import _exchange, _moe_cpu
 from cam_jit.ops._kernels import cpu_kernels
 from cam_jit.ops._strict import strict_enabled
-from cam_jit.ops.fused_deep_moe import Layout, _check_expert_ids, validate
+from cam_jit.ops.fused_deep_moe import Layout, _check_expert_ids, shared_expert_output, validate
 from cam_jit.zero_buffer import _strict
 from cam_jit.zero_buffer._heap import EXT_INFO_BYTES, Heap, parse_ip_port
+from cam_jit.zero_buffer._npu import NPU_DEVICE, NpuHeap, npu_present
 from cam_jit.zero_buffer._transport import MAX_RANKS, Geometry, Transport
 
 CLASS = "FusedDeepMoeBuffer"
+DEVICES = ("cpu", NPU_DEVICE)
 OP = f"{CLASS}.zb_fused_deep_moe"
 _INVALID, _OVER_CAPACITY = -1, -2  # reject codes (see _transport.REJECTED)
 
@@ -44,9 +48,11 @@ class FusedDeepMoeBuffer:
         self._heap: Optional[Heap] = None
         self._transport: Optional[Transport] = None
         self._timeout: Optional[float] = None
+        self._npu: Optional[NpuHeap] = None
 
     # -- lifecycle ---------------------------------------------------------------------------------
-    def init(self, rank: int, num_ranks: int, memsize: int, ip_port: str, *, timeout: Optional[float] = None) -> None:
+    def init(self, rank: int, num_ranks: int, memsize: int, ip_port: str, *, timeout: Optional[float] = None,
+             device: Optional[str] = None) -> None:
         """Creates this rank's shared-memory segment and maps every peer's; collective over
         the num_ranks ranks, which must run on one host. A second call on an initialised buffer
         is a silent no-op (as upstream).
@@ -62,12 +68,18 @@ class FusedDeepMoeBuffer:
                 mode also applies the NPU's workspace formula (SPEC.md §5.2).
             ip_port: "tcp://host:port" where rank 0 serves the bootstrap TCPStore (any free port).
             timeout: seconds a rank waits for its peers, in init and in every call (default:
-                CAM_JIT_COMM_TIMEOUT, 300). A dead peer is noticed within ~50 ms.
+                CAM_JIT_COMM_TIMEOUT, 300). A dead peer is noticed within ~50 ms. CPU only (SHMEM
+                has its own timeouts).
+            device: "cpu" (the shared-memory heap above) or "npu" (Ascend SHMEM: the heap is on
+                the device, calls take NPU tensors and run the NPU kernel); default "npu" when
+                torch_npu sees an NPU, else "cpu".
 
         Raises:
             TypeError / ValueError: a bad argument, or ranks that disagree on num_ranks/memsize.
             RuntimeError: peers missing after the timeout, ranks on different hosts, or a
-                shared-memory failure (the text says which).
+                shared-memory failure (the text says which). On the NPU: "SHMEM is not enabled.
+                Please set SHMEM_HOME_PATH and recompile." when the wrapper library was built
+                without SHMEM, or SHMEM's failure (SPEC.md §5.1 texts).
         """
         where = f"{CLASS}.init"
         for arg, value in (("rank", rank), ("num_ranks", num_ranks), ("memsize", memsize)):
@@ -84,7 +96,13 @@ class FusedDeepMoeBuffer:
                                     or not timeout > 0):
             check.fail(where, "timeout", "None or a positive number of seconds", repr(timeout),
                        ValueError if isinstance(timeout, (int, float)) else TypeError)
+        if device is not None and device not in DEVICES:
+            check.fail(where, "device", f"None or one of {DEVICES}", repr(device),
+                       ValueError if isinstance(device, str) else TypeError)
         if self.is_initialized():
+            return
+        if (device or (NPU_DEVICE if npu_present() else "cpu")) == NPU_DEVICE:
+            self._npu = NpuHeap(rank, num_ranks, memsize, ip_port)
             return
         wait = float(timeout) if timeout is not None else _exchange.timeout_seconds()
         heap = Heap(where, rank, num_ranks, memsize, host, port, wait)
@@ -92,22 +110,32 @@ class FusedDeepMoeBuffer:
 
     def is_initialized(self) -> bool:
         """Whether init() succeeded and close() was not called since."""
-        return self._heap is not None
+        return self._heap is not None or self._npu is not None
 
     def get_ext_info(self) -> int:
-        """Address (in this process) of this rank's 2 MiB ext-info region, 0 if uninitialised."""
+        """Address (in this process; on the NPU, the device address) of this rank's 2 MiB ext-info
+        region, 0 if uninitialised."""
+        if self._npu is not None:
+            return self._npu.ext_info
         return self._heap.ext_info(self._heap.rank) if self._heap else 0
 
     def get_shmem_workspace(self) -> int:
-        """Address (in this process) of this rank's workspace (memsize - 2 MiB bytes), or 0."""
+        """Address (in this process; on the NPU, the device address) of this rank's workspace
+        (memsize - 2 MiB bytes), or 0."""
+        if self._npu is not None:
+            return self._npu.workspace
         return self._heap.workspace(self._heap.rank) if self._heap else 0
 
     def close(self) -> None:
-        """Unmaps every segment; the buffer can be init()-ed again. Idempotent. Collective in
-        spirit: peers still calling zb_fused_deep_moe would wait for this rank and time out."""
+        """Unmaps every segment (on the NPU: frees both regions and finalises SHMEM); the buffer
+        can be init()-ed again. Idempotent. Collective in spirit: peers still calling
+        zb_fused_deep_moe would wait for this rank and time out."""
         heap, self._heap, self._transport = self._heap, None, None
+        npu, self._npu = self._npu, None
         if heap is not None:
             heap.close()
+        if npu is not None:
+            npu.close()
 
     def __enter__(self) -> "FusedDeepMoeBuffer":
         return self
@@ -116,6 +144,8 @@ class FusedDeepMoeBuffer:
         self.close()
 
     def __repr__(self) -> str:
+        if self._npu is not None:
+            return f"{CLASS}(rank={self._npu.rank}, num_ranks={self._npu.num_ranks}, memsize={self._npu.memsize}, npu)"
         if self._heap is None:
             return f"{CLASS}(uninitialized)"
         return f"{CLASS}(rank={self._heap.rank}, num_ranks={self._heap.num_ranks}, memsize={self._heap.memsize})"
@@ -163,11 +193,20 @@ class FusedDeepMoeBuffer:
             [output [BS, H] x.dtype, share_output [BS, H] x.dtype (zeros without a shared
              expert), expert_token_nums [E_loc] int64], fresh tensors (nothing aliases the heap).
 
+        On an NPU buffer the tensors are on the NPU and the call is the NPU kernel (base ABI,
+        ext_info, shmem_workspace, memsize - 2 MiB; SPEC.md §7.2); data checks are the device's.
+
         Raises:
             RuntimeError: not initialised; a peer refused its arguments, died or timed out
                 (then the buffer is unusable until closed and initialised again).
             TypeError / ValueError: this rank's arguments (its peers then raise RuntimeError).
         """
+        npu = self._npu
+        if npu is not None:
+            args = _arguments(locals())
+            npu.check_device(OP, args["x"])
+            _check_call(args, npu.rank, npu.num_ranks, npu.memsize, strict)
+            return npu.fused_deep_moe(OP, args)
         transport = self._transport
         if transport is None:
             raise RuntimeError("Buffer not initialized, call init() first")
@@ -175,23 +214,31 @@ class FusedDeepMoeBuffer:
         heap = self._heap
         try:
             args = _arguments(locals())
-            if ep_rank_size != heap.num_ranks or ep_rank_id != heap.rank:
-                arg, want, got = (("ep_rank_size", heap.num_ranks, ep_rank_size) if ep_rank_size != heap.num_ranks
-                                  else ("ep_rank_id", heap.rank, ep_rank_id))
-                check.fail(OP, arg, f"{want} (init's {'num_ranks' if arg == 'ep_rank_size' else 'rank'})", got)
-            weights = args["gmm1_weight"]
-            if weights and weights[0].dtype != torch.int8:
-                check.fail(OP, "gmm1_weight[0]", "dtype int8: the zero buffer is W8A8 only (SPEC.md §5.1)",
-                           check.dtype_name(weights[0].dtype), TypeError)
-            layout = validate(**args)
-            if strict_enabled(strict):
-                _strict.check(OP, args, layout, heap.memsize - EXT_INFO_BYTES)
+            layout = _check_call(args, heap.rank, heap.num_ranks, heap.memsize, strict)
             active = layout.batch if x_active_mask is None else int(x_active_mask.sum())
             _check_expert_ids(expert_ids[:active], moe_expert_num)
             return _run(transport, args, layout, active)
         except BaseException as err:
             transport.abandon(err, _INVALID)
             raise
+
+
+def _check_call(args: dict, rank: int, num_ranks: int, memsize: int, strict: Optional[bool]) -> Layout:
+    """The metadata checks of a call on a buffer of init's rank/num_ranks/memsize (strict mode
+    adds the zero-buffer limits); returns the layout."""
+    ep_rank_size, ep_rank_id = args["ep_rank_size"], args["ep_rank_id"]
+    if ep_rank_size != num_ranks or ep_rank_id != rank:
+        arg, want, got = (("ep_rank_size", num_ranks, ep_rank_size) if ep_rank_size != num_ranks
+                          else ("ep_rank_id", rank, ep_rank_id))
+        check.fail(OP, arg, f"{want} (init's {'num_ranks' if arg == 'ep_rank_size' else 'rank'})", got)
+    weights = args["gmm1_weight"]
+    if weights and weights[0].dtype != torch.int8:
+        check.fail(OP, "gmm1_weight[0]", "dtype int8: the zero buffer is W8A8 only (SPEC.md §5.1)",
+                   check.dtype_name(weights[0].dtype), TypeError)
+    layout = validate(**args)
+    if strict_enabled(strict):
+        _strict.check(OP, args, layout, memsize - EXT_INFO_BYTES)
+    return layout
 
 
 def _arguments(given: dict) -> dict:
@@ -208,19 +255,9 @@ def _arguments(given: dict) -> dict:
         "share_gmm2_weight_scale", "expert_smooth_scales", "share_smooth_scales", "x_active_mask", "ep_rank_size",
         "ep_rank_id", "moe_expert_num", "quant_mode", "global_bs")}
     for name in ("gmm1_weight", "gmm1_weight_scale", "gmm2_weight", "gmm2_weight_scale"):
-        args[name] = _as_list(name, given[name])
+        args[name] = check.weight_list(OP, name, given[name])
     args.update(gmm1_bias=[], gmm2_bias=[], share_gmm1_bias=None, share_gmm2_bias=None, group_ep="")
     return args
-
-
-def _as_list(arg: str, value: object) -> List[torch.Tensor]:
-    """A weight container argument as a list of tensors."""
-    items = [value] if isinstance(value, torch.Tensor) else value
-    if not isinstance(items, (list, tuple)):
-        check.fail(OP, arg, "a tensor or a list of tensors", type(value).__name__, TypeError)
-    for i, t in enumerate(items):
-        check.tensor(OP, f"{arg}[{i}]", t)
-    return list(items)
 
 
 def _run(transport: Transport, a: dict, layout: Layout, active: int) -> List[torch.Tensor]:
@@ -243,22 +280,11 @@ def _run(transport: Transport, a: dict, layout: Layout, active: int) -> List[tor
                                 a["gmm2_weight"], a["gmm2_weight_scale"], x.dtype)
     transport.send_results(geo, y, order, recv_counts)
 
-    share_output = _shared_expert(kernels, a, layout) if layout.shared else torch.zeros_like(x)
+    share_output = shared_expert_output(kernels, layout, a)
     returned = transport.results(geo, x.dtype, send_counts)
     pair_rows = transport.pair_rows(geo, route.pos, route.expert, e_loc, layout.batch, layout.topk)
     output = kernels.combine(returned, pair_rows, a["expert_scales"], active)
     return [output, share_output, expert_token_nums]
-
-
-def _shared_expert(kernels, a: dict, layout: Layout) -> torch.Tensor:
-    """§1.10: the shared expert on all BS tokens, as fused_deep_moe computes it."""
-    x, smooth = a["x"], a["expert_smooth_scales"]
-    share_smooth = a["share_smooth_scales"].view(1, -1) if smooth is not None else None
-    sq, sq_scale = kernels.quantize_rows(
-        x, share_smooth, None, torch.zeros(layout.batch, dtype=torch.int64) if share_smooth is not None else None)
-    return kernels.expert_ffn_w8a8(sq, sq_scale, [layout.batch], [a["share_gmm1_weight"]],
-                                   [a["share_gmm1_weight_scale"]], [a["share_gmm2_weight"]],
-                                   [a["share_gmm2_weight_scale"]], x.dtype)
 
 
 def _capacity_message(transport: Transport, geo: Geometry, send_counts: List[int]) -> str:
