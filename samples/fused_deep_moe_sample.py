@@ -102,9 +102,9 @@ def compare(name, got, want, rows):
                f"mean |diff| {diff.mean().item() if diff.numel() else 0:.3g}, exact {torch.equal(got, want)}"
 
 
-def rank_main(rank, args):
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks))
-    kw = layer_inputs(args, rank)
+def fused_vs_reference(kw, args, compare):
+    """Runs the fused op and the small-ops reference on one rank's inputs and compares them with
+    `compare(name, got, want, rows) -> (ok, line)`; returns (passed, report lines)."""
     with torch.no_grad():
         fused, t_fused = timed(cam_jit.fused_deep_moe, kw, args.iters)
         small, t_small = timed(reference.fused_deep_moe, kw, args.iters)
@@ -116,24 +116,31 @@ def rank_main(rank, args):
              f"{'==' if ok_counts else '!='} reference {small[2].tolist()}",
              f"latency: fused {t_fused * 1e3:.2f} ms, small ops {t_small * 1e3:.2f} ms "
              f"({t_small / t_fused:.1f}x)"]
-    return (ok_out and ok_share and ok_counts, lines)
+    return ok_out and ok_share and ok_counts, lines
 
 
+def rank_main(rank, args):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks))
+    return fused_vs_reference(layer_inputs(args, rank), args, compare)
 
-def main(argv=None):
-    args = parse_args(argv)
-    print(f"cam_jit {cam_jit.__version__}: fused_deep_moe on {args.ranks} CPU rank(s), bs={args.bs}/rank, "
+
+def run(rank_body, args, what):
+    """Prints the configuration, runs rank_body on --ranks local ranks, prints each rank's report
+    and the verdict; returns the exit status."""
+    print(f"cam_jit {cam_jit.__version__}: {what} on {args.ranks} CPU rank(s), bs={args.bs}/rank, "
           f"H={args.hidden}, I={args.inter}, E={args.experts}, top-{args.topk}, {args.dtype}, "
           f"options: {[o for o in ('share', 'smooth', 'mask', 'eplb') if getattr(args, o)] or 'none'}")
     cam_jit.load()  # build (or load) the kernels once, before the ranks start
-    results = run_on_ranks(rank_main, args, args.ranks)
     passed = True
-    for rank in range(args.ranks):
-        ok, lines = results[rank]
+    for rank, (ok, lines) in enumerate(run_on_ranks(rank_body, args, args.ranks)):
         passed &= ok
         print(f"rank {rank}: " + "\n        ".join(lines))
-    print("PASS: fused op matches the small-ops reference" if passed else "FAIL: mismatch against the reference")
+    print(f"PASS: {what} matches the small-ops reference" if passed else "FAIL: mismatch against the reference")
     return 0 if passed else 1
+
+
+def main(argv=None):
+    return run(rank_main, parse_args(argv), "fused_deep_moe")
 
 
 if __name__ == "__main__":

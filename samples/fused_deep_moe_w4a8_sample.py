@@ -18,10 +18,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-import cam_jit
-from cam_jit import pack_int4, reference, w4a8_compensation_bias
-from cpu_ranks import run_on_ranks
-from fused_deep_moe_sample import timed
+from cam_jit import pack_int4, w4a8_compensation_bias
+from fused_deep_moe_sample import fused_vs_reference, run
 
 ATOL, RTOL, PASS_FRACTION = 1e-3, 1e-2, 0.99  # upstream W4A8 sample: printed, > 99 % within
 
@@ -106,35 +104,11 @@ def compare(name, got, want, rows):
 
 def rank_main(rank, args):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks))
-    kw = layer_inputs(args, rank)
-    with torch.no_grad():
-        fused, t_fused = timed(cam_jit.fused_deep_moe, kw, args.iters)
-        small, t_small = timed(reference.fused_deep_moe, kw, args.iters)
-    active = int(kw["x_active_mask"].sum()) if args.mask else args.bs
-    ok_out, line_out = compare("output", fused[0], small[0], active)
-    ok_share, line_share = compare("share_output", fused[1], small[1], args.bs)
-    ok_counts = torch.equal(fused[2], small[2])
-    lines = [line_out, line_share, f"expert_token_nums {fused[2].tolist()} "
-             f"{'==' if ok_counts else '!='} reference {small[2].tolist()}",
-             f"latency: fused {t_fused * 1e3:.2f} ms, small ops {t_small * 1e3:.2f} ms "
-             f"({t_small / t_fused:.1f}x)"]
-    return (ok_out and ok_share and ok_counts, lines)
+    return fused_vs_reference(layer_inputs(args, rank), args, compare)
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    print(f"cam_jit {cam_jit.__version__}: W4A8 fused_deep_moe on {args.ranks} CPU rank(s), bs={args.bs}/rank, "
-          f"H={args.hidden}, I={args.inter}, E={args.experts}, top-{args.topk}, {args.dtype}, "
-          f"options: {[o for o in ('share', 'smooth', 'mask', 'eplb') if getattr(args, o)] or 'none'}")
-    cam_jit.load()  # build (or load) the kernels once, before the ranks start
-    results = run_on_ranks(rank_main, args, args.ranks)
-    passed = True
-    for rank in range(args.ranks):
-        ok, lines = results[rank]
-        passed &= ok
-        print(f"rank {rank}: " + "\n        ".join(lines))
-    print("PASS: fused W4A8 op matches the small-ops reference" if passed else "FAIL: mismatch against the reference")
-    return 0 if passed else 1
+    return run(rank_main, parse_args(argv), "W4A8 fused_deep_moe")
 
 
 if __name__ == "__main__":
