@@ -84,13 +84,16 @@ def layer_inputs(args, rank):
     return kw
 
 
-def timed(fn, kw, iters):
-    result = fn(**kw)  # warm-up (and, on first use, the JIT build)
+def timed(fn, args, iters):
+    """fn's result and its median latency over `iters` calls after a warm-up (which also does the
+    first-use JIT build); `args` is a dict of keywords or a list of positional arguments."""
+    call = (lambda: fn(**args)) if isinstance(args, dict) else (lambda: fn(*args))
+    result = call()
     times = []
     for _ in range(iters):
         dist.barrier()
         start = time.perf_counter()
-        fn(**kw)
+        call()
         times.append(time.perf_counter() - start)
     return result, statistics.median(times)
 

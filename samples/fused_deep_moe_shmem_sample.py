@@ -12,15 +12,14 @@ bit-identical) and prints both latencies. Exits non-zero on a mismatch.
 """
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
 import cam_jit
 from cpu_ranks import free_port, run_on_ranks
+from fused_deep_moe_sample import quantized_ffn, timed
 
 
 def parse_args(argv=None):
@@ -48,27 +47,18 @@ def parse_args(argv=None):
     return args
 
 
-def expert_weights(gen, hidden, inter):
-    """One int8 expert: [H, 2I] gate|up, [2I] scales, [I, H] down, [H] scales."""
-    w1 = torch.randint(-127, 128, (hidden, 2 * inter), dtype=torch.int8, generator=gen)
-    w2 = torch.randint(-127, 128, (inter, hidden), dtype=torch.int8, generator=gen)
-    s1 = (torch.rand(2 * inter, generator=gen) + 0.5) / (127 * hidden ** 0.5)
-    s2 = (torch.rand(hidden, generator=gen) + 0.5) / (127 * inter ** 0.5)
-    return w1, s1, w2, s2
-
-
 def positional_args(args, rank):
     """zb_fused_deep_moe's arguments in SPEC.md §5.1 order, for this rank."""
     local = args.experts // args.ranks
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
     x = torch.randn(args.bs, args.hidden, generator=gen).to(torch.bfloat16)
     top = torch.randn(args.bs, args.experts, generator=gen).topk(args.topk, dim=1)
-    experts = [expert_weights(torch.Generator().manual_seed(10_000 + rank * local + e), args.hidden, args.inter)
+    experts = [quantized_ffn(torch.Generator().manual_seed(10_000 + rank * local + e), args.hidden, args.inter)
                for e in range(local)]
     w1, s1, w2, s2 = ([torch.stack(t)] for t in zip(*experts))
     shared = [None] * 4
     if args.share:
-        shared = list(expert_weights(torch.Generator().manual_seed(7), args.hidden, args.inter))
+        shared = list(quantized_ffn(torch.Generator().manual_seed(7), args.hidden, args.inter))
     smooth = [None, None]
     if args.smooth:
         sgen = torch.Generator().manual_seed(8)
@@ -85,17 +75,6 @@ NAMES = ("x", "expert_ids", "gmm1_weight", "gmm1_weight_scale", "gmm2_weight", "
          "ep_rank_size", "ep_rank_id", "moe_expert_num", "quant_mode", "global_bs")
 
 
-def timed(fn, iters):
-    result = fn()  # warm-up
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return result, statistics.median(times)
-
-
 def rank_main(rank, args):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks))
     zb_args = positional_args(args, rank)
@@ -104,8 +83,8 @@ def rank_main(rank, args):
     buffer.init(rank, args.ranks, args.memsize << 20, args.ip_port)
     try:
         with torch.no_grad():
-            zb, t_zb = timed(lambda: buffer.zb_fused_deep_moe(*zb_args), args.iters)
-            gloo, t_gloo = timed(lambda: cam_jit.fused_deep_moe(**kw), args.iters)
+            zb, t_zb = timed(buffer.zb_fused_deep_moe, zb_args, args.iters)
+            gloo, t_gloo = timed(cam_jit.fused_deep_moe, kw, args.iters)
     finally:
         buffer.close()
     same = [torch.equal(a, b) for a, b in zip(zb, gloo)]
