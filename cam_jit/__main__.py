@@ -190,6 +190,17 @@ def _ops(args: argparse.Namespace) -> int:
     return 0
 
 
+def _docs(args: argparse.Namespace) -> int:
+    from cam_jit import docs
+
+    try:
+        sys.stdout.write(docs.semantics(args.section))
+    except KeyError as e:
+        print(f"cam_jit: {e.args[0]}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of ``python -m cam_jit`` and ``cam-jit``; returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m cam_jit",
@@ -211,6 +222,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     commands.add_parser("doctor", help="show versions, toolchain, cache entries, backends and "
                         "what the NPU (Ascend) path has and needs")
     commands.add_parser("ops", help="list the ops, their backends and whether they have a TorchAir GE converter")
+    docs_parser = commands.add_parser("docs", help="print the numerical and interface contract of the "
+                                      "ops (docs/semantics.md), or one numbered section of it")
+    docs_parser.add_argument("section", nargs="?", help="a section number, e.g. 1.8 (fused_deep_moe's "
+                             "float32 steps); default: the whole document")
     opp_parser = commands.add_parser("opp", help="Ascend operator packages: locate, install, build")
     opp_commands = opp_parser.add_subparsers(dest="opp_command", required=True)
     locate = opp_commands.add_parser("locate", help="list installed vendors holding CAM operators")
@@ -234,7 +249,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args.build_args = argv[cut + 1:]  # for `opp build`: passed to the tree's build.sh
     if cut < len(argv) and (args.command, getattr(args, "opp_command", None)) != ("opp", "build"):
         parser.error("arguments after -- are only for `opp build`")
-    handlers = {"build": _build, "clean": _clean, "doctor": _doctor, "ops": _ops, "opp": _opp}
+    handlers = {"build": _build, "clean": _clean, "doctor": _doctor, "ops": _ops, "opp": _opp,
+                "docs": _docs}
     return handlers[args.command](args)
 
 

@@ -13,26 +13,26 @@ import importlib
 from typing import Dict, List
 
 CONVERTERS: Dict[str, str] = {
-    "fused_deep_moe": "fused_deep_moe",  # GE FusedDeepMoe (SPEC.md §7.3, base / W4A8 / master)
+    "fused_deep_moe": "fused_deep_moe",  # GE FusedDeepMoe (docs/semantics.md §7.3, base / W4A8 / master)
     "a2e": "a2e",  # GE A2e (§7.3)
     "e2a": "e2a",  # GE E2a (§7.3)
 }
 
 NO_CONVERTER: Dict[str, str] = {
     "moe_dispatch_lowlatency": (
-        "no GE op of matching semantics: MoeDispatchLowlatencyZeroBuffer (SPEC.md §6.5, §7.2) takes a "
+        "no GE op of matching semantics: MoeDispatchLowlatencyZeroBuffer (docs/semantics.md §6, §7.2) takes a "
         "SHMEM zero-buffer address and the commAlg/extInfo attributes that this op's schema does not have"),
     "moe_combine_lowlatency": (
-        "no GE op of matching semantics: MoeCombineLowlatencyZeroBuffer (SPEC.md §6.5, §7.2) takes a "
+        "no GE op of matching semantics: MoeCombineLowlatencyZeroBuffer (docs/semantics.md §6, §7.2) takes a "
         "SHMEM zero-buffer address and the commAlg/extInfo attributes that this op's schema does not have"),
     "all2_all_detour": (
         "GE All2AllDetour takes the communicator magic as a graph attribute, but every call must take a "
-        "fresh magic (SPEC.md §3.1, §4.1): a replayed graph would reuse it"),
+        "fresh magic (docs/semantics.md §3.1, §4.1): a replayed graph would reuse it"),
     "reduce_scatter_detour": (
         "GE ReduceScatterDetour takes the communicator magic as a graph attribute, but every call must "
-        "take a fresh magic (SPEC.md §3.1, §4.1): a replayed graph would reuse it"),
-    "cam_get_comm": "host-side communicator setup (TCP rendezvous, SPEC.md §4.1), not a device op",
-    "cam_free_comm": "host-side communicator teardown (SPEC.md §4.1), not a device op",
+        "take a fresh magic (docs/semantics.md §3.1, §4.1): a replayed graph would reuse it"),
+    "cam_get_comm": "host-side communicator setup (TCP rendezvous, docs/semantics.md §4.1), not a device op",
+    "cam_free_comm": "host-side communicator teardown (docs/semantics.md §4.1), not a device op",
 }
 
 

@@ -1,10 +1,10 @@
-"""GE converter of ``cam_jit::a2e`` -> GE ``A2e`` (SPEC.md §7.3, attribute order of §7.2).
+"""GE converter of ``cam_jit::a2e`` -> GE ``A2e`` (docs/semantics.md §7.3, attribute order of §7.2).
 
 Inputs ``x``, ``expert_ids`` (optional), ``scales`` (optional); Int attributes ``batch_size,
 hidden_size, topk, expert_rank_size, attention_rank_size, rank``, String ``group_ep``, Int
 ``aiv_num, compute_gate`` (the schema's ``atten_rank_size`` is GE's ``attention_rank_size``);
 outputs ``expand_x, simulate_expert_ids, simulate_expert_scales, atten_batch_size,
-x_active_mask``. Output shapes in torch follow the upstream wrapper (SPEC.md §8.9 proposal); GE's
+x_active_mask``. Output shapes in torch follow the upstream wrapper (docs/semantics.md §8.9); GE's
 own InferShape gives expert ranks more ``expand_x`` rows (§7.3), rows the kernel does not write.
 """
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""GE converter of ``cam_jit::e2a`` -> GE ``E2a`` (SPEC.md §7.3, attribute order of §7.2).
+"""GE converter of ``cam_jit::e2a`` -> GE ``E2a`` (docs/semantics.md §7.3, attribute order of §7.2).
 
 Inputs ``expand_x``, ``atten_batch_size``; Int attributes ``batch_size, hidden_size, topk,
 expert_rank_size, attention_rank_size, rank``, String ``group_ep``, Int ``aiv_num``; output ``x``.
-Output shape in torch follows the upstream wrapper (SPEC.md §8.9 proposal).
+Output shape in torch follows the upstream wrapper (docs/semantics.md §8.9).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""GE converter of ``cam_jit::fused_deep_moe`` -> GE ``FusedDeepMoe`` (SPEC.md §7.3, §7.2, §8.1).
+"""GE converter of ``cam_jit::fused_deep_moe`` -> GE ``FusedDeepMoe`` (docs/semantics.md §7.3, §7.2, §8.1).
 
 One torch schema serves three GE prototypes of the same op type:
 

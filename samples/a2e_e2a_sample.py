@@ -5,8 +5,8 @@ free port): ranks 0 .. Er-1 are expert ranks, the others attention ranks. Each a
 its tokens (and, with --compute-gate 1, its routing ids and scales) with a2e; each expert rank
 applies a stand-in expert to the expand_x it received (--expert identity, or double: x * 2, exact
 in bfloat16) and sends the blocks back with e2a. Every rank compares its outputs with
-cam_jit.reference.a2e_e2a (an all_gather-based implementation of SPEC.md §2), and every attention
-rank checks that it got expert(x) back bitwise where SPEC §2.4 promises the round trip. Prints the
+cam_jit.reference.a2e_e2a (an all_gather-based implementation of docs/semantics.md §2), and every attention
+rank checks that it got expert(x) back bitwise where docs/semantics.md §2.4 promises the round trip. Prints the
 results and the latency; exits non-zero on a mismatch.
 
     python samples/a2e_e2a_sample.py                                   # 2 expert + 2 attention ranks
@@ -42,7 +42,7 @@ def parse_args(argv=None):
     p.add_argument("--compute-gate", type=int, choices=[0, 1], default=1, help="1: send ids and scales too")
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="token dtype (fp16 is rounded to bf16)")
     p.add_argument("--expert", choices=sorted(EXPERTS), default="identity", help="stand-in expert computation")
-    p.add_argument("--strict", action="store_true", help="also check the NPU kernel's limits (SPEC §2.5)")
+    p.add_argument("--strict", action="store_true", help="also check the NPU kernel's limits (docs/semantics.md §2.5)")
     p.add_argument("--iters", type=int, default=5, help="timed iterations")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -67,7 +67,7 @@ def rank_inputs(args, rank):
 
 
 def round_trip_promised(args, rank):
-    """SPEC §2.4: slot i of expert e gets rows [i*Q, ...) back where a2e put it at [i*P, ...)."""
+    """docs/semantics.md §2.4: slot i of expert e gets rows [i*Q, ...) back where a2e put it at [i*P, ...)."""
     er, ar = args.experts, args.attention
     expert, slot = rank % er, rank // er - 1
     served = len(range(expert + er, er + ar, er))
@@ -113,7 +113,7 @@ def rank_main(rank, args):
             ok &= same
             trip = f"e2a returned expert(x) bitwise: {same}"
         else:
-            trip = "no round trip promised here (SPEC §2.4, uneven ratio)"
+            trip = "no round trip promised here (docs/semantics.md §2.4, uneven ratio)"
         lines = [f"x {list(x.shape)} {args.dtype} -> e2a {list(back.shape)} bf16; {trip}"]
     lines.append("matches the reference" if not bad else f"MISMATCH against the reference: {bad}")
     lines.append(f"latency a2e + e2a: {statistics.median(times) * 1e3:.3f} ms" if times else "")

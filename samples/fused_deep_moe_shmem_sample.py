@@ -2,7 +2,7 @@
 
 Spawns --ranks local processes. Each creates a FusedDeepMoeBuffer (one POSIX
 shared-memory segment per rank, bootstrapped through a TCPStore at --ip-port), runs
-zb_fused_deep_moe with SPEC.md §5.1's positional arguments, and checks the result against
+zb_fused_deep_moe with docs/semantics.md §5.1's positional arguments, and checks the result against
 cam_jit.fused_deep_moe over a gloo process group (same math, another transport: the two must be
 bit-identical) and prints both latencies. Exits non-zero on a mismatch.
 
@@ -48,7 +48,7 @@ def parse_args(argv=None):
 
 
 def positional_args(args, rank):
-    """zb_fused_deep_moe's arguments in SPEC.md §5.1 order, for this rank."""
+    """zb_fused_deep_moe's arguments in docs/semantics.md §5.1 order, for this rank."""
     local = args.experts // args.ranks
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
     x = torch.randn(args.bs, args.hidden, generator=gen).to(torch.bfloat16)

@@ -50,7 +50,7 @@ def parse_args(argv=None):
 
 def int4_ffn(gen, hidden, inter):
     """One expert: packed int32 [H, 2I/8] gate|up and [I, H/8] down weights, float32 per-column
-    scales [2I] / [H] and the compensation biases [2I] / [H] (SPEC.md §1.5)."""
+    scales [2I] / [H] and the compensation biases [2I] / [H] (docs/semantics.md §1.5)."""
     std = ((16 ** 2 - 1) / 12) ** 0.5  # of int4 values uniform in [-8, 7]
     w1 = pack_int4(torch.randint(-8, 8, (hidden, 2 * inter), dtype=torch.int8, generator=gen))
     w2 = pack_int4(torch.randint(-8, 8, (inter, hidden), dtype=torch.int8, generator=gen))

@@ -1,4 +1,4 @@
-// torch op <ns>::a2e -> aclnnA2e (SPEC.md §2, §7.2): inputs x, expertIds?, scales?; int64
+// torch op <ns>::a2e -> aclnnA2e (docs/semantics.md §2, §7.2): inputs x, expertIds?, scales?; int64
 // attributes batchSize, hiddenSize, topk, expertRankSize, attentionRankSize, rank, then
 // char* groupEp, then aivNum, computeGate; outputs expandXOut, simulateExpertIdsOut,
 // simulateExpertScalesOut, attenBatchSize, xActiveMaskOut (allocated by the caller).

@@ -1,6 +1,6 @@
 // cam_jit's aclnn execution helper: resolve an operator's two entry points with dlsym, turn
 // at::Tensor / optional / tensor lists / int64 / strings into ACL handles, get the workspace size,
-// allocate it, launch on the current stream, release every handle on every path (SPEC.md §7.1).
+// allocate it, launch on the current stream, release every handle on every path (docs/semantics.md §7.1).
 //
 // Nothing here includes a torch_npu or CANN header. The few ACL facts needed (enum values, the
 // aclnn tensor-API prototypes, which the torch_npu wheel does not ship) are declared below and
@@ -91,7 +91,7 @@ class AclnnCall {
   const AclTensorList* list(const std::string& arg, at::TensorList ts);
 
   // aclnnXGetWorkspaceSize(args..., &size, &executor), workspace, aclnnX(..., stream).
-  // Every integer attribute must be int64_t (SPEC.md §7.1): narrower ints do not compile.
+  // Every integer attribute must be int64_t (docs/semantics.md §7.1): narrower ints do not compile.
   template <typename... Args>
   void run(Args... args) {
     static_assert(((!std::is_integral<Args>::value || std::is_same<Args, int64_t>::value ||

@@ -1,5 +1,5 @@
-// torch op <ns>::all2_all_detour -> aclnnAll2AllDetour (SPEC.md §3.2, §7.2): inputs sendData,
-// commRankIds, commArgs; int64 attribute magic (upstream passed an int32 local: SPEC.md §7.1);
+// torch op <ns>::all2_all_detour -> aclnnAll2AllDetour (docs/semantics.md §3.2, §7.2): inputs sendData,
+// commRankIds, commArgs; int64 attribute magic (upstream passed an int32 local: docs/semantics.md §7.1);
 // output out (allocated by the caller).
 #include "wrappers.h"
 

@@ -1,4 +1,4 @@
-// torch op <ns>::e2a -> aclnnE2a (SPEC.md §2.4, §7.2): inputs expandX, attenBatchSize; int64
+// torch op <ns>::e2a -> aclnnE2a (docs/semantics.md §2.4, §7.2): inputs expandX, attenBatchSize; int64
 // attributes batchSize, hiddenSize, topk, expertRankSize, attentionRankSize, rank, then
 // char* groupEp, then aivNum; output out (allocated by the caller).
 #include "wrappers.h"

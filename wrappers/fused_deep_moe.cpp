@@ -1,6 +1,6 @@
-// torch op <ns>::fused_deep_moe -> aclnnFusedDeepMoe (SPEC.md §7.1, §7.2).
+// torch op <ns>::fused_deep_moe -> aclnnFusedDeepMoe (docs/semantics.md §7.1, §7.2).
 //
-// The one aclnn name has three prototypes (SPEC.md §7.2, §8.1); `abi` says which one the
+// The one aclnn name has three prototypes (docs/semantics.md §7.2, §8.1); `abi` says which one the
 // installed package exports: 0 = base (SHMEM-capable: 14 inputs, groupEp + 8 int64 attributes
 // ending with extInfo, shmemWorkspace, shmemWorkspaceSize), 1 = w4a8 (14 inputs + 2 bias lists +
 // 2 optional biases, groupEp + 5 int64), 2 = master (14 inputs, groupEp + 5 int64). Python picks

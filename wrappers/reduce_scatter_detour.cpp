@@ -1,6 +1,6 @@
-// torch op <ns>::reduce_scatter_detour -> aclnnReduceScatterDetour (SPEC.md §3.3, §7.2): inputs
+// torch op <ns>::reduce_scatter_detour -> aclnnReduceScatterDetour (docs/semantics.md §3.3, §7.2): inputs
 // sendData, commRankIds, commArgs; int64 attributes magic, rankSize, op (upstream passed int32
-// locals for the first two: SPEC.md §7.1); output out (allocated by the caller).
+// locals for the first two: docs/semantics.md §7.1); output out (allocated by the caller).
 #include "wrappers.h"
 
 namespace cam_jit_npu {

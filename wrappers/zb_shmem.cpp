@@ -1,4 +1,4 @@
-// The NPU symmetric heap of cam_jit.FusedDeepMoeBuffer (SPEC.md §5.1) on Ascend SHMEM: this PE
+// The NPU symmetric heap of cam_jit.FusedDeepMoeBuffer (docs/semantics.md §5.1) on Ascend SHMEM: this PE
 // initialises SHMEM (aclshmemx_init_attr, bootstrap at ip_port), then allocates from the symmetric
 // heap the 2 MiB ext-info region and the workspace (memsize - 2 MiB). The buffer then calls the
 // fused_deep_moe wrapper with the base ABI, ext_info, shmem_workspace and memsize - 2 MiB (§7.2).
@@ -18,12 +18,12 @@
 namespace cam_jit_npu {
 namespace {
 
-constexpr int64_t kExtInfoBytes = 2 * 1024 * 1024;  // SPEC.md §5.1
+constexpr int64_t kExtInfoBytes = 2 * 1024 * 1024;  // docs/semantics.md §5.1
 bool g_active = false;  // SHMEM is per process: one initialised buffer at a time
 
 // SHMEM for PE `rank` of `num_ranks` with a `memsize`-byte heap, bootstrapped at `ip_port`
 // ("tcp://host:port"), then the two allocations. Returns their device addresses
-// [ext_info, shmem_workspace]. RuntimeError texts follow SPEC.md §5.1.
+// [ext_info, shmem_workspace]. RuntimeError texts follow docs/semantics.md §5.1.
 std::vector<int64_t> zb_shmem_init(int64_t rank, int64_t num_ranks, int64_t memsize,
                                    const std::string& ip_port) {
   TORCH_CHECK(!g_active, "FusedDeepMoeBuffer.init: SHMEM is already initialised in this process by "

@@ -7,7 +7,7 @@ spec to an object file with the compiler flags ``torch.utils.cpp_extension`` use
 linking or loading anything: usable on a machine without an NPU, against an installed torch_npu
 or the ``torch_npu/`` directory extracted from its wheel.
 
-``zb_shmem.cpp`` (FusedDeepMoeBuffer's Ascend SHMEM heap, SPEC.md §5.1) is built only with SHMEM
+``zb_shmem.cpp`` (FusedDeepMoeBuffer's Ascend SHMEM heap, docs/semantics.md §5.1) is built only with SHMEM
 (:func:`shmem_part`): ``SHMEM_HOME_PATH`` set and its ``shmem.h`` found; otherwise it is left out
 and :func:`shmem_part` says why (``doctor`` and ``build --compile-only`` print it).
 """

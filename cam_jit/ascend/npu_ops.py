@@ -2,7 +2,7 @@
 
 Each kernel runs the op's own fake kernel on the real arguments: that is the same metadata
 validation the CPU kernel starts with, and it allocates the outputs with the right shapes on the
-NPU (zero-filled here, SPEC.md §8.4: upstream leaves some outputs unwritten). It then calls the
+NPU (zero-filled here, docs/semantics.md §8.4: upstream leaves some outputs unwritten). It then calls the
 private op ``torch.ops._cam_jit_npu.<op>`` of the JIT-compiled wrapper library (``wrappers/``),
 which calls the vendor's aclnn kernel on the current stream. Data-dependent checks of the CPU
 kernels (which would synchronise the device) are left to the device kernel.
@@ -110,7 +110,7 @@ def _fdm_abi_code(b: Binding, weight: torch.Tensor) -> int:
     return facts.codes[b.fdm_abi]
 
 
-FRACTAL_NZ = 29  # aclFormat of the W8A8 weights' required layout (SPEC.md §1.15)
+FRACTAL_NZ = 29  # aclFormat of the W8A8 weights' required layout (docs/semantics.md §1.15)
 
 
 def npu_format(t: torch.Tensor) -> Optional[int]:
@@ -123,7 +123,7 @@ def npu_format(t: torch.Tensor) -> Optional[int]:
 
 
 def _check_nz_weights(args: Dict[str, Any]) -> None:
-    """W8A8 int8 weights must be stored FRACTAL_NZ (SPEC.md §1.15); an ND weight would be read
+    """W8A8 int8 weights must be stored FRACTAL_NZ (docs/semantics.md §1.15); an ND weight would be read
     with the wrong layout by the kernel, so it is refused with the one-time conversion to do."""
     named = [(f"{n}[{i}]", t) for n in ("gmm1_weight", "gmm2_weight") for i, t in enumerate(args[n])]
     named += [(n, args[n]) for n in ("share_gmm1_weight", "share_gmm2_weight") if args[n] is not None]
@@ -142,7 +142,7 @@ def fused_deep_moe(x, expert_ids, gmm1_weight, gmm1_weight_scale, gmm2_weight, g
                    x_active_mask, gmm1_bias, gmm2_bias, share_gmm1_bias, share_gmm2_bias,
                    group_ep, ep_rank_size, ep_rank_id, moe_expert_num, quant_mode, global_bs):
     """NPU kernel of cam_jit::fused_deep_moe (non-SHMEM call: ext_info = shmem_workspace =
-    shmem_workspace_size = 0, SPEC.md §7.2)."""
+    shmem_workspace_size = 0, docs/semantics.md §7.2)."""
     args = dict(locals())
     outputs = _zeroed(_op_module("fused_deep_moe")._fake(**args))
     b = binding()
@@ -156,7 +156,7 @@ def fused_deep_moe(x, expert_ids, gmm1_weight, gmm1_weight_scale, gmm2_weight, g
 def a2e(x, expert_ids, scales, batch_size, hidden_size, topk, expert_rank_size, atten_rank_size,
         rank, group_ep, aiv_num, compute_gate):
     """NPU kernel of cam_jit::a2e. On attention ranks the batch attribute is x.shape[0], as the
-    upstream wrapper passes (SPEC.md §2.3)."""
+    upstream wrapper passes (docs/semantics.md §2.3)."""
     outputs = _zeroed(_op_module("a2e_e2a")._a2e_fake(**locals()))
     batch = batch_size if rank < expert_rank_size else x.shape[0]
     binding().ops.a2e(x, expert_ids, scales, batch, hidden_size, topk, expert_rank_size,
@@ -174,7 +174,7 @@ def e2a(expand_x, atten_batch_size, batch_size, hidden_size, topk, expert_rank_s
 
 
 def all2_all_detour(sendData, commRankIds, commArgs, commId):
-    """NPU kernel of cam_jit::all2_all_detour: takes the communicator's magic once (SPEC.md §3.1)."""
+    """NPU kernel of cam_jit::all2_all_detour: takes the communicator's magic once (docs/semantics.md §3.1)."""
     from cam_jit.ops.comm import cam_get_and_increase_magic
 
     out = _zeroed(_op_module("detour")._all2all_fake(sendData, commRankIds, commArgs, commId))
@@ -185,7 +185,7 @@ def all2_all_detour(sendData, commRankIds, commArgs, commId):
 
 def reduce_scatter_detour(sendData, commRankIds, commArgs, commId, op):
     """NPU kernel of cam_jit::reduce_scatter_detour: magic taken once, rankSize = the
-    communicator's size (the attribute GE's InferShape divides by, SPEC.md §3.3)."""
+    communicator's size (the attribute GE's InferShape divides by, docs/semantics.md §3.3)."""
     from cam_jit.ops.comm import cam_get_and_increase_magic, cam_get_rank_size
 
     out = _zeroed(_op_module("detour")._reduce_scatter_fake(sendData, commRankIds, commArgs, commId, op))

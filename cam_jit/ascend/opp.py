@@ -173,7 +173,7 @@ class FdmChoice:
 
 
 def detect_fdm_abi(vendors: Vendors) -> FdmChoice:
-    """The installed aclnnFusedDeepMoe prototype (SPEC.md §7.2, §8.1): ``$CAM_JIT_FDM_ABI`` if set
+    """The installed aclnnFusedDeepMoe prototype (docs/semantics.md §7.2, §8.1): ``$CAM_JIT_FDM_ABI`` if set
     (ValueError when not one of base/w4a8/master), else from the FusedDeepMoe op-info entry of the
     first vendor that has one: input ``gmm1_bias_optional`` -> w4a8, attribute ``ext_info`` ->
     base, neither -> master."""

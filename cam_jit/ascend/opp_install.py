@@ -5,7 +5,7 @@ A custom opp ``.run`` package (a self-extracting installer) installs with
 ``<package>.run --quiet --install-path=<dir>`` into ``<dir>/vendors/<vendor>/`` and leaves a
 ``bin/set_env.bash`` there that adds the vendor to ``ASCEND_CUSTOM_OPP_PATH``. Building runs the
 source tree's own ``build.sh`` (extra arguments are passed through, e.g. UMDK's ``-q`` for the
-W4A8 FusedDeepMoe, SPEC.md §7.4) and then looks for the ``.run`` file it produced. All three
+W4A8 FusedDeepMoe, docs/semantics.md §7.4) and then looks for the ``.run`` file it produced. All three
 need CANN (the package's kernels, op-info and aclnn library only work with it) and fail with a
 clear message when it is missing.
 """
@@ -127,7 +127,7 @@ def find_built_packages(tree: Path, since_ns: int) -> List[Path]:
 
 def build_from_source(tree: Path, args: Sequence[str] = (), timeout: float = 7200) -> List[Path]:
     """Run ``<tree>/build.sh <args>`` in ``tree`` and return the ``.run`` packages it produced.
-    Without SHMEM the SHMEM-only operators are left out of the build (SPEC.md §7.4)."""
+    Without SHMEM the SHMEM-only operators are left out of the build (docs/semantics.md §7.4)."""
     tree = Path(tree).expanduser().absolute()
     script = tree / BUILD_SCRIPT
     if not script.is_file():

@@ -1,7 +1,7 @@
 """The Ascend operator registry: ``kernels/operator_registry.json`` as typed records.
 
 The JSON file is the one source of truth for which aclnn symbols, GE op types and SoCs each
-operator has, whether it needs SHMEM and which variants exclude each other (SPEC.md §7.2-§7.4).
+operator has, whether it needs SHMEM and which variants exclude each other (docs/semantics.md §7.2-§7.4).
 Code, ``doctor``, the CLI and tests read it through this module.
 """
 from __future__ import annotations
@@ -36,13 +36,13 @@ class OpEntry:
 
     @property
     def workspace_symbol(self) -> Optional[str]:
-        """``<aclnn>GetWorkspaceSize``, the first of the two-phase call (SPEC.md §7.1)."""
+        """``<aclnn>GetWorkspaceSize``, the first of the two-phase call (docs/semantics.md §7.1)."""
         return None if self.aclnn is None else self.aclnn + "GetWorkspaceSize"
 
 
 @dataclass(frozen=True)
 class FdmAbi:
-    """How the installed ``aclnnFusedDeepMoe`` prototype is told apart (SPEC.md §7.2, §8.1)."""
+    """How the installed ``aclnnFusedDeepMoe`` prototype is told apart (docs/semantics.md §7.2, §8.1)."""
 
     env: str
     w4a8_marker_input: str

@@ -16,7 +16,7 @@ from cam_jit.jit.spec import BuildSpec
 
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent  # the cam_jit package directory
 
-# -ffp-contract=off: SPEC.md's numerical contract forbids FMA contraction. -fopenmp: at::parallel_for
+# -ffp-contract=off: the numerical contract (docs/semantics.md §0.5) forbids FMA contraction. -fopenmp: at::parallel_for
 # only runs in parallel when _OPENMP is defined; the library then needs libgomp.so.1, the runtime
 # torch itself loads (bundled in torch/lib), so there is one OpenMP runtime in the process.
 CPU_CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")

@@ -1,5 +1,5 @@
 """Row exchange between the ranks of a process group (CPU path): uneven `all_to_all_single`
-with a timeout, so a missing peer raises instead of hanging (SPEC.md §0.1)."""
+with a timeout, so a missing peer raises instead of hanging (docs/semantics.md §0.1)."""
 from __future__ import annotations
 
 import datetime

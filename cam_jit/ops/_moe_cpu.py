@@ -1,6 +1,6 @@
 """The CPU expert-parallel data path shared by fused_deep_moe and the low-latency
 dispatch/combine ops: route (token, k) pairs to the ranks owning their experts, send their
-(quantised) rows there, send expert results back, combine (SPEC.md §1.8 steps 1 and 5, §1.12).
+(quantised) rows there, send expert results back, combine (docs/semantics.md §1.8 steps 1 and 5, §1.12).
 """
 from __future__ import annotations
 

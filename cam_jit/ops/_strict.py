@@ -1,4 +1,4 @@
-"""Strict validation (SPEC.md §0.6): the NPU kernels' own limits, checked on any backend so a
+"""Strict validation (docs/semantics.md §0.6): the NPU kernels' own limits, checked on any backend so a
 user learns on CPU what the NPU would reject.
 
 Enabled per call with the public functions' `strict=True`, or for the process with

@@ -1,4 +1,4 @@
-"""`a2e` and `e2a`: attention <-> expert (AFD) token transfer (SPEC.md §2).
+"""`a2e` and `e2a`: attention <-> expert (AFD) token transfer (docs/semantics.md §2).
 
 One process group of `Er + Ar` ranks: ranks `0 .. Er-1` are expert ranks, ranks `Er .. Er+Ar-1`
 attention ranks. Attention rank `a` pairs with expert rank `a % Er` and occupies slot
@@ -6,11 +6,11 @@ attention ranks. Attention rank `a` pairs with expert rank `a % Er` and occupies
 routing ids and scales) into a block of its expert rank's `expand_x`; `e2a` sends blocks of the
 expert rank's `expand_x` back.
 
-Public functions, torch.library schemas, argument checks (basic and strict, SPEC §0.6 / §7.5),
+Public functions, torch.library schemas, argument checks (basic and strict, docs/semantics.md §0.6 / §7.5),
 fake kernels and the CPU implementation. The CPU path first all-gathers a few integers per rank
 (the sizes every rank must agree on and each rank's batch), so a batch mismatch raises the same
 error on every rank instead of corrupting or hanging a transfer; then it moves the rows with
-tagged point-to-point sends on the group (SPEC §2.5, CPU transport), tag = (op, slot, field).
+tagged point-to-point sends on the group (docs/semantics.md §2.5, CPU transport), tag = (op, slot, field).
 """
 from __future__ import annotations
 
@@ -38,14 +38,14 @@ E2A = OpInfo(
     "int expert_rank_size, int attention_rank_size, int rank, str group_ep, int aiv_num) -> Tensor",
 )
 
-OUT_DTYPE = torch.bfloat16  # the upstream wrapper forces bf16 token outputs (SPEC §2.3)
+OUT_DTYPE = torch.bfloat16  # the upstream wrapper forces bf16 token outputs (docs/semantics.md §2.3)
 _TOKEN_DTYPES = (torch.bfloat16, torch.float16)
 _TAG_FIELDS = 4  # x/expand_x, expert ids, scales
 
 
 @dataclasses.dataclass(frozen=True)
 class Roles:
-    """Rank roles and block layout of one group (SPEC.md §2.2): `experts` = Er, `attention` = Ar."""
+    """Rank roles and block layout of one group (docs/semantics.md §2.2): `experts` = Er, `attention` = Ar."""
 
     experts: int
     attention: int
@@ -105,7 +105,7 @@ def _tokens(op: str, arg: str, t: torch.Tensor, hidden_size: int) -> None:
 
 def validate_a2e(x, expert_ids, scales, batch_size, hidden_size, topk, expert_rank_size, atten_rank_size, rank,
                  group_ep, aiv_num, compute_gate) -> Roles:
-    """Basic validation of a2e (SPEC.md §0.6, §2) on metadata only (works on fake tensors).
+    """Basic validation of a2e (docs/semantics.md §0.6, §2) on metadata only (works on fake tensors).
 
     x: [rows, hidden_size] bf16/fp16 on every rank (rows = B_a on attention ranks, ignored on
     expert ranks). expert_ids (int32) / scales (float32): [B_a, topk] on attention ranks with
@@ -133,7 +133,7 @@ def validate_a2e(x, expert_ids, scales, batch_size, hidden_size, topk, expert_ra
 
 def validate_e2a(expand_x, atten_batch_size, batch_size, hidden_size, topk, expert_rank_size, attention_rank_size,
                  rank, group_ep, aiv_num) -> Roles:
-    """Basic validation of e2a (SPEC.md §0.6, §2.4) on metadata only (works on fake tensors).
+    """Basic validation of e2a (docs/semantics.md §0.6, §2.4) on metadata only (works on fake tensors).
 
     expand_x: [batch_size, hidden_size] on expert ranks; [B_a, hidden_size] (the rank's own x)
     on attention ranks; bf16/fp16. atten_batch_size: int32 (a2e's output 3), never read.
@@ -151,7 +151,7 @@ def validate_e2a(expand_x, atten_batch_size, batch_size, hidden_size, topk, expe
 
 
 # ----------------------------------------------------------------------------------------------
-# strict mode (SPEC.md §2.5, §7.5)
+# strict mode (docs/semantics.md §2.5, §7.5)
 # ----------------------------------------------------------------------------------------------
 def _strict_fail(op: str, arg: str, value: object, text: str) -> None:
     raise ValueError(
@@ -346,14 +346,14 @@ def a2e(
     *,
     strict: Optional[bool] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Attention -> expert transfer (SPEC.md §2.3). Every rank of the group calls it.
+    """Attention -> expert transfer (docs/semantics.md §2.3). Every rank of the group calls it.
 
     The group (group_ep) has Er + Ar ranks: 0 .. Er-1 are expert ranks, Er .. Er+Ar-1 attention
     ranks. Attention rank a sends its tokens to expert rank a % Er, which stores them in block
     a // Er - 1 of its expand_x. With C = ceil(Ar / Er), BE = batch_size on the expert rank and
     P = BE // C, block i is rows [i*P, (i+1)*P); an expert rank e serves n_e attention ranks
     (e + Er, e + 2Er, ... < Er + Ar), so with Ar % Er != 0 some expert ranks serve C - 1 and their
-    last block stays zero. Uneven ratios follow the SPEC formulas (see e2a for the way back).
+    last block stays zero. Uneven ratios follow the formulas of docs/semantics.md §2.4 (see e2a for the way back).
 
     Args:
         x: [B_a, hidden_size] bfloat16 or float16 tokens on an attention rank, where B_a must be
@@ -370,7 +370,7 @@ def a2e(
             cam_jit.register_group, or "" for the default group); its size must be Er + Ar.
         aiv_num: NPU vector cores; no numerical meaning (strict mode checks 4..48).
         compute_gate: 1 also sends expert_ids and scales; 0 sends only x.
-        strict: apply the NPU kernel's limits (SPEC §2.5/§7.5: batch in (0, 1024], hidden_size in
+        strict: apply the NPU kernel's limits (docs/semantics.md §2.5/§7.5: batch in (0, 1024], hidden_size in
             [1024, 7168] and % 256, topk in [1, 8], aiv_num in [4, 48], bfloat16 only); None uses
             cam_jit.set_strict / CAM_JIT_STRICT.
 
@@ -410,7 +410,7 @@ def e2a(
     *,
     strict: Optional[bool] = None,
 ) -> torch.Tensor:
-    """Expert -> attention transfer (SPEC.md §2.4), the way back of a2e. Every rank calls it.
+    """Expert -> attention transfer (docs/semantics.md §2.4), the way back of a2e. Every rank calls it.
 
     Expert rank e serves n_e attention ranks (e + Er, e + 2Er, ... < Er + Ar) and sends the one
     in slot i rows [i*Q, i*Q + B_a) of its expand_x, where Q = BE // n_e. a2e placed that rank's

@@ -1,4 +1,4 @@
-"""CAM communicators (SPEC.md §4): a process-global table of 64 slots, each holding one
+"""CAM communicators (docs/semantics.md §4): a process-global table of 64 slots, each holding one
 communicator created by a TCP rendezvous, and its commArgs tensor (§4.2).
 
 On CPU a communicator is a dedicated gloo process group built on a `torch.distributed.TCPStore`
@@ -6,7 +6,7 @@ that rank 0 hosts at `server_ip_port`; it never touches (or needs) the default W
 detour collectives (`cam_jit.ops.detour`) run over it. `cam_free_comm` releases the group, the
 store and their threads and sockets.
 
-Choices where SPEC.md leaves room:
+Choices where upstream leaves room (docs/semantics.md §4, §8):
 
 * `cam_get_comm` on an occupied slot returns the existing commArgs (upstream's notice is logged at
   INFO) when rank, group_size and the resolved address match; different arguments raise
@@ -38,7 +38,7 @@ from cam_jit.ops._registry import OpInfo, define_op
 
 logger = logging.getLogger("cam_jit")
 
-MAX_COMMS = 64  # slots [0, 63] (SPEC §4.1 proposal; upstream's check lets 64 through)
+MAX_COMMS = 64  # slots [0, 63] (docs/semantics.md §4.1; upstream's check lets 64 through)
 MAX_RANKS = 384
 MAGIC_MAX = 2**30 - 1
 DEFAULT_ADDRESS = "127.0.0.1:10067"
@@ -49,7 +49,7 @@ BUFFSIZE_ENV, BUFFSIZE_DEFAULT_MIB, BUFFSIZE_MAX_MIB = "CAM_BUFFSIZE", 204, 2000
 GET_COMM = OpInfo("cam_get_comm", "(int comm_id, int rank, int group_size, str server_ip_port) -> Tensor")
 FREE_COMM = OpInfo("cam_free_comm", "(int comm_id) -> Tensor")
 
-# CommArgs byte layout (SPEC §4.2): (field, byte size), in order, naturally aligned on LP64.
+# CommArgs byte layout (docs/semantics.md §4.2): (field, byte size), in order, naturally aligned on LP64.
 _FIELDS = (
     ("rank", 4), ("localRank", 4), ("rankSize", 4), ("localRankSize", 4), ("extraFlag", 4), ("testFlag", 4),
     ("peerMems", 8 * MAX_RANKS), ("sendCountMatrix", 8 * MAX_RANKS * MAX_RANKS),
@@ -138,7 +138,7 @@ def _boot_id() -> str:
 
 
 def comm_args_tensor(rank: int, size: int, hosts: int, mem_len: int) -> torch.Tensor:
-    """The commArgs tensor of SPEC §4.2: [597740] float16 whose bytes are a CommArgs struct with
+    """The commArgs tensor of docs/semantics.md §4.2: [597740] float16 whose bytes are a CommArgs struct with
     rank, localRank, rankSize, localRankSize and memLen filled, everything else zero."""
     local_size = max(size // hosts, 1)
     args = torch.zeros(COMM_ARGS_NUMEL, dtype=torch.float16)
@@ -277,7 +277,7 @@ def cam_get_comm(comm_id: int, rank: int, group_size: int, server_ip_port: str) 
         server_ip_port: "A.B.C.D:port" of rank 0; "" uses $CAM_COMM_ID, else "127.0.0.1:10067".
 
     Returns:
-        commArgs: [597740] float16 CPU tensor, the bytes of the CommArgs struct (SPEC §4.2:
+        commArgs: [597740] float16 CPU tensor, the bytes of the CommArgs struct (docs/semantics.md §4.2:
         rank, localRank, rankSize, localRankSize, memLen = CAM_BUFFSIZE MiB; the rest zero). Pass
         it unchanged to the detour ops.
     """
@@ -303,7 +303,7 @@ def cam_get_rank_size(comm_id: int) -> int:
 
 
 def cam_get_magic(comm_id: int) -> int:
-    """The current magic of communicator `comm_id` (starts at 1; SPEC §4.1)."""
+    """The current magic of communicator `comm_id` (starts at 1; docs/semantics.md §4.1)."""
     check.integer("cam_get_magic", "comm_id", comm_id)
     comm = communicator("cam_get_magic", comm_id)
     with _LOCK:

@@ -1,9 +1,9 @@
-"""`all2_all_detour` and `reduce_scatter_detour` over a CAM communicator (SPEC.md §3).
+"""`all2_all_detour` and `reduce_scatter_detour` over a CAM communicator (docs/semantics.md §3).
 
 `commRankIds` lists the communicator ranks taking part (the members); its order is the chunk
 order. The other ranks of the communicator are detour ranks: on the NPU their memory relays
 pieces of the traffic, on CPU they do nothing and return zeros of the output shape. Every rank of
-the communicator calls the op (each call takes one magic number, SPEC §3.1).
+the communicator calls the op (each call takes one magic number, docs/semantics.md §3.1).
 
 CPU transport: the members exchange chunks with tagged point-to-point sends on the
 communicator's gloo group. A fixed-size header goes first (op, dtype, numel, reduce op, magic,
@@ -11,7 +11,7 @@ member list digest), so members that disagree raise a `ValueError` instead of co
 killing a transfer. Waits use CAM_JIT_COMM_TIMEOUT; after a timeout, free and recreate the
 communicator.
 
-Choices where SPEC.md leaves room:
+Choices where upstream leaves room (docs/semantics.md §3, §8):
 * reduce_scatter_detour output shape: the wrapper's (dim 0 divided by G = len(commRankIds)),
   for the fake kernel too (§3.3, §8.10).
 * op = 1 (MUL) raises NotImplementedError: upstream never implemented it and returns one
@@ -46,7 +46,7 @@ ALL2ALL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.int32)
 REDUCE_SCATTER_DTYPES = (torch.float16,)
 SUM, MUL, MAX, MIN = 0, 1, 2, 3
 _FOLD = {SUM: torch.add, MAX: torch.maximum, MIN: torch.minimum}
-REDUCE_SCATTER_MAX_RANKS = 16  # tiling limit, strict mode (SPEC §3.3, §7.5)
+REDUCE_SCATTER_MAX_RANKS = 16  # tiling limit, strict mode (docs/semantics.md §3.3, §7.5)
 # aclDataType numbers: the dtype field of the member header.
 _ACL_DTYPE = {torch.float32: 0, torch.float16: 1, torch.int8: 2, torch.int32: 3, torch.uint8: 4, torch.int16: 6,
               torch.int64: 9, torch.float64: 11, torch.bool: 12, torch.bfloat16: 27}
@@ -104,7 +104,7 @@ def _strict_fail(name: str, arg: str, text: str, got: object) -> None:
 
 
 def _check_strict(info: OpInfo, sendData: torch.Tensor, members: int, commId: int) -> None:
-    """Strict limits (SPEC §7.5), after basic validation: reduce_scatter_detour's tiling checks in
+    """Strict limits (docs/semantics.md §7.5), after basic validation: reduce_scatter_detour's tiling checks in
     upstream order with upstream texts (its float16 check is basic validation's TypeError);
     all2_all_detour's proposed L % G == 0."""
     numel = sendData.numel()

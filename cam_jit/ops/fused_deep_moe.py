@@ -1,4 +1,4 @@
-"""`fused_deep_moe`: the expert-parallel MoE layer in one op (SPEC.md §1).
+"""`fused_deep_moe`: the expert-parallel MoE layer in one op (docs/semantics.md §1).
 
 Public function, torch.library schema, argument checks, fake kernel and CPU implementation.
 The CPU implementation dispatches quantised tokens to the ranks that own their experts with
@@ -34,7 +34,7 @@ TensorOrList = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Sizes derived from validated arguments (SPEC.md §1.2 symbols)."""
+    """Sizes derived from validated arguments (docs/semantics.md §1.2 symbols)."""
 
     batch: int  # BS
     hidden: int  # H
@@ -43,14 +43,14 @@ class Layout:
     inter: int  # I (gmm1 output is 2I wide)
     shared: bool
     share_inter: int  # Is, 0 without a shared expert
-    w4a8: bool = False  # int32-packed int4 weights with compensation biases (SPEC.md §1.5, §1.9)
+    w4a8: bool = False  # int32-packed int4 weights with compensation biases (docs/semantics.md §1.5, §1.9)
 
 
 _VARIANTS = {torch.int8: "W8A8", torch.int32: "W4A8"}
 
 
 def _container(arg: str, items: object, item_shape: Sequence[int], local_experts: int, note: str = "") -> torch.dtype:
-    """Checks a weight container (SPEC.md §1.3): one stacked [E_loc, *item_shape] tensor (or, with
+    """Checks a weight container (docs/semantics.md §1.3): one stacked [E_loc, *item_shape] tensor (or, with
     one local expert, one item_shape tensor), or E_loc item_shape tensors. Returns the dtype.
     `note` explains item_shape in the errors."""
     if not items:
@@ -87,13 +87,13 @@ def _container(arg: str, items: object, item_shape: Sequence[int], local_experts
 
 
 def _shared_tensor(arg: str, t: torch.Tensor, item_shape: Sequence[int]) -> None:
-    """A shared-expert tensor: item_shape, or [1, *item_shape] (SPEC.md §1.2 rows 7-10, 16-17)."""
+    """A shared-expert tensor: item_shape, or [1, *item_shape] (docs/semantics.md §1.2 rows 7-10, 16-17)."""
     if list(t.shape) not in (list(item_shape), [1, *item_shape]):
         check.fail(OP, arg, f"shape {list(item_shape)} or {[1, *item_shape]}", list(t.shape))
 
 
 def _same_variant(arg: str, t: torch.Tensor, weight_dtype: torch.dtype) -> None:
-    """A weight must have gmm1_weight's dtype: one variant for all weights (SPEC.md §1.1)."""
+    """A weight must have gmm1_weight's dtype: one variant for all weights (docs/semantics.md §1.1)."""
     if t.dtype != weight_dtype:
         check.fail(OP, arg, f"dtype {check.dtype_name(weight_dtype)} ({_VARIANTS[weight_dtype]}, like gmm1_weight: "
                    "all weights share one variant)", check.dtype_name(t.dtype), TypeError)
@@ -101,7 +101,7 @@ def _same_variant(arg: str, t: torch.Tensor, weight_dtype: torch.dtype) -> None:
 
 def _bias_container(arg: str, items: List[torch.Tensor], width: int, width_name: str, local_experts: int,
                     note: str) -> None:
-    """A required W4A8 bias container (SPEC.md §1.3, §1.5): float32 [E_loc, width] or E_loc [width]."""
+    """A required W4A8 bias container (docs/semantics.md §1.3, §1.5): float32 [E_loc, width] or E_loc [width]."""
     if not items:
         check.fail(OP, arg, f"the W4A8 compensation bias, a float32 [E_loc, {width_name}] tensor or E_loc "
                    f"[{width_name}] tensors ({width_name} = {width}; see cam_jit.ops.weights.w4a8_compensation_bias)",
@@ -116,7 +116,7 @@ def validate(
     expert_smooth_scales, share_smooth_scales, x_active_mask, gmm1_bias, gmm2_bias, share_gmm1_bias,
     share_gmm2_bias, group_ep, ep_rank_size, ep_rank_id, moe_expert_num, quant_mode, global_bs,
 ) -> Layout:
-    """Basic validation (SPEC.md §0.6) of everything knowable without reading tensor data, for
+    """Basic validation (docs/semantics.md §0.6) of everything knowable without reading tensor data, for
     arguments of the schema's types (the dispatcher has checked those). Works on fake tensors."""
     local_experts = check.expert_parallel(OP, "ep_rank_size", ep_rank_size, ep_rank_id, moe_expert_num, global_bs)
 
@@ -245,7 +245,7 @@ def validate(
 
 
 def _check_expert_ids(expert_ids: torch.Tensor, experts: int) -> None:
-    """Routed ids must lie in [-1, moe_expert_num) (SPEC.md §1.7; upstream leaves >= E undefined)."""
+    """Routed ids must lie in [-1, moe_expert_num) (docs/semantics.md §1.7; upstream leaves >= E undefined)."""
     if expert_ids.numel() == 0:
         return
     low, high = torch.aminmax(expert_ids)
@@ -269,7 +269,7 @@ def _fake(x, expert_ids, gmm1_weight, gmm1_weight_scale, gmm2_weight, gmm2_weigh
 
 
 def _expert_ffn(kernels, layout: Layout, rows, scale, group_sizes, w1, s1, b1, w2, s2, b2, dtype):
-    """SPEC.md §1.8 steps 2-4 (W4A8: §1.9) on int8 rows [M, H] grouped by local expert
+    """docs/semantics.md §1.8 steps 2-4 (W4A8: §1.9) on int8 rows [M, H] grouped by local expert
     (group_sizes[e] rows for expert e) with per-row scales [M]; weight containers as in §1.3
     (b1, b2: the W4A8 bias containers, ignored under W8A8). Returns [M, H] of dtype."""
     if layout.w4a8:
@@ -305,7 +305,7 @@ def _cpu(x, expert_ids, gmm1_weight, gmm1_weight_scale, gmm2_weight, gmm2_weight
 
 
 def shared_expert_output(kernels, layout: Layout, args: dict) -> torch.Tensor:
-    """share_output (SPEC.md §1.10): the shared expert on all BS tokens of `args` (the schema's
+    """share_output (docs/semantics.md §1.10): the shared expert on all BS tokens of `args` (the schema's
     arguments by name), smoothed only when routed smooth scales are given; zeros without one."""
     x = args["x"]
     if not layout.shared:
@@ -352,7 +352,7 @@ def fused_deep_moe(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Expert-parallel MoE layer: dispatch, int8 GEMM, SwiGLU, requantise, int8 GEMM, combine.
 
-    The weights' dtype picks the variant (SPEC.md §1.1): int8 is W8A8; int32 is W4A8, whose
+    The weights' dtype picks the variant (docs/semantics.md §1.1): int8 is W8A8; int32 is W4A8, whose
     words each pack 8 int4 columns (cam_jit.ops.weights.pack_int4) and which needs the
     compensation biases (cam_jit.ops.weights.w4a8_compensation_bias). All weights share one
     variant.
@@ -389,7 +389,7 @@ def fused_deep_moe(
         ep_rank_size: R, ranks in the EP group. ep_rank_id: this rank's index in it.
         moe_expert_num: E, total routed experts, a multiple of R.
         quant_mode: reserved, 0. global_bs: 0 (equal batches) or max_r(BS_r) * R.
-        strict: also apply the NPU kernel's own limits (SPEC.md §7.5), so that what the NPU would
+        strict: also apply the NPU kernel's own limits (docs/semantics.md §7.5), so that what the NPU would
             reject fails here too; None follows cam_jit.set_strict / CAM_JIT_STRICT.
 
     Returns:

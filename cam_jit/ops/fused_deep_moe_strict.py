@@ -1,4 +1,4 @@
-"""Strict validation of `fused_deep_moe` (SPEC.md §0.6, §7.5): the NPU kernel's own limits.
+"""Strict validation of `fused_deep_moe` (docs/semantics.md §0.6, §7.5): the NPU kernel's own limits.
 
 `check_strict(args)` runs when strict mode is on (`strict=True`, `cam_jit.set_strict(True)` or
 `CAM_JIT_STRICT=1`), before the op. It first runs the basic validation, then the upstream tiling
@@ -39,7 +39,7 @@ HIDDEN_RANGE = (512, 7168)
 DOC_MIN_HIDDEN, DOC_HIDDEN_ALIGN = 1024, 256
 GMM1_WIDTH_RANGE, GMM1_WIDTH_ALIGN = (1024, 6144), 1024
 MAX_TOPK = 12
-W4A8_MAX_LOCAL_EXPERTS = 48 // 2  # aivNum / 2, aivNum = 48 on Ascend 910_93 (SPEC.md §7.5 item 6)
+W4A8_MAX_LOCAL_EXPERTS = 48 // 2  # aivNum / 2, aivNum = 48 on Ascend 910_93 (docs/semantics.md §7.5 item 6)
 HCCL_BUFFSIZE_DEFAULT_MIB = 200
 GROUP_NAME_MAX = 128  # exclusive
 _MIB = 1024 * 1024
@@ -100,7 +100,7 @@ def _is_w4a8(args: Dict[str, object]) -> bool:
 
 
 def _logical_width(args: Dict[str, object], arg: str) -> int:
-    """Logical output width of a weight argument (W4A8 words hold 8 int4 columns, SPEC.md §1.5)."""
+    """Logical output width of a weight argument (W4A8 words hold 8 int4 columns, docs/semantics.md §1.5)."""
     value = args[arg]
     weight = value[0] if isinstance(value, list) else value
     return weight.shape[-1] * (INT4_PER_WORD if _is_w4a8(args) else 1)
@@ -123,7 +123,7 @@ def _check_bias_list(arg: str, name: str, items: List[torch.Tensor], width: int,
                      local_experts: int, weight_per_expert: bool) -> None:
     """One W4A8 bias container against the §1.3 rules, with the upstream gmm2Bias texts."""
     if not items:
-        _fail(arg, f"{name} is null.", "an empty list (W4A8 needs the compensation bias, SPEC.md §1.5)")
+        _fail(arg, f"{name} is null.", "an empty list (W4A8 needs the compensation bias, docs/semantics.md §1.5)")
     per_expert = len(items) > 1
     if per_expert and len(items) != local_experts:
         _fail(arg, f"{name} listlen does not equals to localExpertNum.",
@@ -158,7 +158,7 @@ def check_bias_lists(args: Dict[str, object], layout: Layout) -> None:
 
 
 def hccl_buffsize_mib() -> int:
-    """`HCCL_BUFFSIZE` (MiB) from the environment, default 200 (SPEC.md §7.5 item 5)."""
+    """`HCCL_BUFFSIZE` (MiB) from the environment, default 200 (docs/semantics.md §7.5 item 5)."""
     raw = os.environ.get("HCCL_BUFFSIZE", "").strip()
     if not raw:
         return HCCL_BUFFSIZE_DEFAULT_MIB

@@ -1,4 +1,4 @@
-"""Process groups named by `group_ep` strings (SPEC.md §0.3, CPU path).
+"""Process groups named by `group_ep` strings (docs/semantics.md §0.3, CPU path).
 
 A name resolves, in order: to a group given to `register_group`; to the c10d group of that
 name (`ProcessGroup.group_name`); and "", "world" and "default" to the default (WORLD) group.

@@ -1,8 +1,8 @@
 """Low-latency MoE dispatch and combine (DeepEP-like; the interface of CAM's zero-buffer ops
-`MoeDispatchLowlatencyZeroBuffer` / `MoeCombineLowlatencyZeroBuffer`, SPEC.md §6.5).
+`MoeDispatchLowlatencyZeroBuffer` / `MoeCombineLowlatencyZeroBuffer`, docs/semantics.md §6).
 
 `moe_dispatch_lowlatency` sends every routed (token, k) pair of the active tokens to the rank
-owning its expert, optionally quantised to int8 with SPEC.md §1.8 step 1; each rank receives its
+owning its expert, optionally quantised to int8 with docs/semantics.md §1.8 step 1; each rank receives its
 experts' rows packed by local expert, then source rank, then the source's t*K+k order (the NPU
 kernel's order). The caller runs its experts on those rows; `moe_combine_lowlatency` sends the
 results back and forms each token's weighted sum in ascending k (§1.8 step 5).
@@ -224,7 +224,7 @@ def moe_dispatch_lowlatency(
         scales: optional [E, H] float32 smooth-quant factors by global expert (quant_mode 2).
         x_active_mask: optional [BS] bool; the first sum(mask) tokens are dispatched.
         group_ep, ep_world_size (R), ep_rank_id, moe_expert_num (E): as fused_deep_moe.
-        quant_mode: 2 quantises each row to int8 (SPEC.md §1.8 step 1), 0 sends x.dtype rows.
+        quant_mode: 2 quantises each row to int8 (docs/semantics.md §1.8 step 1), 0 sends x.dtype rows.
         global_bs: 0 (equal batches) or max_r(BS_r) * R; sizes the outputs.
 
     Returns (A = (global_bs / R) * R * min(K, E_loc) rows, received rows first):

@@ -1,5 +1,5 @@
 """Weight-preparation helpers for `fused_deep_moe`: int4 packing and the W4A8 compensation bias
-(SPEC.md §1.5), the gate/up-interleaved ("permuted") GMM1 layout (§1.14), and the NPU
+(docs/semantics.md §1.5), the gate/up-interleaved ("permuted") GMM1 layout (§1.14), and the NPU
 FRACTAL_NZ blocked layouts (§1.15). Pure tensor permutations and arithmetic; every helper works
 on CPU and keeps the device of its input.
 """
@@ -12,10 +12,10 @@ import torch
 
 from cam_jit.ops import _checks as check
 
-INT4_PER_WORD = 8  # int4 values in one int32 word (SPEC.md §1.5)
+INT4_PER_WORD = 8  # int4 values in one int32 word (docs/semantics.md §1.5)
 _NIBBLE_BITS = 4
 _SIGNED_INTS = (torch.int8, torch.int16, torch.int32, torch.int64)
-# FRACTAL_NZ fractal (rows, columns) by element dtype (SPEC.md §1.15).
+# FRACTAL_NZ fractal (rows, columns) by element dtype (docs/semantics.md §1.15).
 NZ_FRACTALS = {
     torch.int8: (16, 32),
     torch.float16: (16, 16),
@@ -30,7 +30,7 @@ def _at_least(op: str, arg: str, t: torch.Tensor, dims: int) -> None:
 
 
 def pack_int4(values: torch.Tensor) -> torch.Tensor:
-    """Packs int4 values into int32 words (SPEC.md §1.5).
+    """Packs int4 values into int32 words (docs/semantics.md §1.5).
 
     Args:
         values: [..., N] int8 (or another signed integer dtype) with values in [-8, 7],
@@ -58,7 +58,7 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """Unpacks int32 words into int4 values; the inverse of :func:`pack_int4` (SPEC.md §1.5).
+    """Unpacks int32 words into int4 values; the inverse of :func:`pack_int4` (docs/semantics.md §1.5).
 
     Args:
         packed: [..., M] int32.
@@ -77,7 +77,7 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def w4a8_compensation_bias(packed_weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The W4A8 GMM bias (SPEC.md §1.5): bias[..., j] = 8 * sum_k W[..., k, j] * scale[..., j].
+    """The W4A8 GMM bias (docs/semantics.md §1.5): bias[..., j] = 8 * sum_k W[..., k, j] * scale[..., j].
 
     It compensates the +8 offset of the kernel's activation nibble split; pass it as gmm1_bias /
     gmm2_bias (or the shared biases) of `fused_deep_moe`.
@@ -128,7 +128,7 @@ def _gmm1_axis(op: str, t: object, dim: object, tile: object) -> Tuple[int, int]
 
 
 def permute_gmm1_weight(t: torch.Tensor, dim: int = -1, tile: int = 64) -> torch.Tensor:
-    """CAM's [gate | up] GMM1 columns -> the gate/up-interleaved layout (SPEC.md §1.14).
+    """CAM's [gate | up] GMM1 columns -> the gate/up-interleaved layout (docs/semantics.md §1.14).
 
     Along `dim` (length 2I, I a multiple of `tile`), block b of 2*tile columns holds gate
     columns tile*b .. tile*b + tile-1, then up columns I + tile*b .. I + tile*b + tile-1:
@@ -171,7 +171,7 @@ def _fractal(op: str, arg: str, t: torch.Tensor, shape: Sequence[int]) -> Tuple[
 
 
 def nd_to_nz(t: torch.Tensor) -> torch.Tensor:
-    """Row-major ("ND") matrices -> the NPU FRACTAL_NZ byte order (SPEC.md §1.15).
+    """Row-major ("ND") matrices -> the NPU FRACTAL_NZ byte order (docs/semantics.md §1.15).
 
     Each logical [K, N] matrix is stored as [N/c][K/16][16][c] with the dtype's fractal 16 x c:
     int8 16 x 32, float16/bfloat16 16 x 16, int32 (W4A8 words) 16 x 8.
@@ -192,7 +192,7 @@ def nd_to_nz(t: torch.Tensor) -> torch.Tensor:
 
 
 def nz_to_nd(t: torch.Tensor, shape: Optional[Sequence[int]] = None) -> torch.Tensor:
-    """FRACTAL_NZ data -> row-major matrices; the inverse of :func:`nd_to_nz` (SPEC.md §1.15).
+    """FRACTAL_NZ data -> row-major matrices; the inverse of :func:`nd_to_nz` (docs/semantics.md §1.15).
 
     Args:
         t: int8, float16, bfloat16 or int32 data in NZ order (any shape, e.g. the output of

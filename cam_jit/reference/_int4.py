@@ -1,4 +1,4 @@
-"""int4 packing helpers for W4A8 weights (SPEC.md §1.5), written from the spec.
+"""int4 packing helpers for W4A8 weights (docs/semantics.md §1.5), written from the spec.
 
 Layout: a logical int4 matrix ``W[..., K_in, N]`` (values in ``[-8, 7]``) is stored as int32
 ``P[..., K_in, N // 8]``. Logical column ``j`` is nibble ``j % 8`` (bits ``4s .. 4s+3``, nibble 0
@@ -55,7 +55,7 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
 
 
 def w4a8_compensation_bias(packed_weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The W4A8 bias of SPEC §1.5: ``bias[..., j] = 8 * sum_k W[..., k, j] * scale[..., j]``.
+    """The W4A8 bias of docs/semantics.md §1.5: ``bias[..., j] = 8 * sum_k W[..., k, j] * scale[..., j]``.
 
     Args:
         packed_weight: int32 ``[..., K_in, N // 8]`` (one expert ``[K_in, N/8]`` or stacked

@@ -1,6 +1,6 @@
-"""Reference ``a2e`` / ``e2a`` (SPEC.md §2.2-§2.4) in plain torch: the spec made executable.
+"""Reference ``a2e`` / ``e2a`` (docs/semantics.md §2.2-§2.4) in plain torch: the spec made executable.
 
-Written from the SPEC formulas, independently of ``cam_jit.ops.a2e_e2a``:
+Written from the formulas of docs/semantics.md §2, independently of ``cam_jit.ops.a2e_e2a``:
 
 * ``C = ceil(Ar / Er)``; expert rank ``e`` serves ``n_e = C`` attention ranks when
   ``Ar % Er == 0`` or ``e < Ar % Er``, else ``floor(Ar / Er)``; attention rank ``a`` pairs with
@@ -30,7 +30,7 @@ BF16 = torch.bfloat16
 
 
 def _served(expert: int, experts: int, attention: int) -> int:
-    """n_e of SPEC §2.2."""
+    """n_e of docs/semantics.md §2.2."""
     blocks = math.ceil(attention / experts)
     if attention % experts == 0 or expert < attention % experts:
         return blocks

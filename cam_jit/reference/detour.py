@@ -1,8 +1,8 @@
-"""Golden reference of the detour collectives (SPEC.md §3.2, §3.3), in plain torch.
+"""Golden reference of the detour collectives (docs/semantics.md §3.2, §3.3), in plain torch.
 
 Independent of `cam_jit.ops.detour` (point-to-point chunk exchange among the members over a CAM
 communicator): here every rank of a `torch.distributed` group all-gathers the whole `sendData` of
-every rank, and each rank then evaluates the SPEC formulas for its own output. The group's ranks
+every rank, and each rank then evaluates the formulas of docs/semantics.md §3 for its own output. The group's ranks
 play the communicator's ranks (rank r of the group = communicator rank r), so every rank of the
 group calls the function, members and non-members alike, with the same sendData shape and dtype.
 """
@@ -28,7 +28,7 @@ def _gather_all(send: torch.Tensor, group: Optional["dist.ProcessGroup"]) -> Lis
 
 def all2_all_detour(sendData: torch.Tensor, commRankIds: torch.Tensor,
                     group: Optional["dist.ProcessGroup"] = None) -> torch.Tensor:
-    """SPEC §3.2: member i's output elements [p*c, (p+1)*c) = member p's input elements
+    """docs/semantics.md §3.2: member i's output elements [p*c, (p+1)*c) = member p's input elements
     [i*c, (i+1)*c), c = numel // G; tail and non-member outputs zero. Same shape/dtype as sendData."""
     data = _gather_all(sendData, group)
     rank = dist.get_rank(group)
@@ -44,7 +44,7 @@ def all2_all_detour(sendData: torch.Tensor, commRankIds: torch.Tensor,
 
 def reduce_scatter_detour(sendData: torch.Tensor, commRankIds: torch.Tensor, op: int,
                           group: Optional["dist.ProcessGroup"] = None) -> torch.Tensor:
-    """SPEC §3.3: member at position m returns fp16 of the float32 fold (SUM 0 / MAX 2 / MIN 3) of
+    """docs/semantics.md §3.3: member at position m returns fp16 of the float32 fold (SUM 0 / MAX 2 / MIN 3) of
     the members' elements [m*n, (m+1)*n), n = numel // G, starting with its own and continuing with
     members m+1, m+2, ... (mod G). Non-members return zeros. Shape [shape[0] // G, *shape[1:]]."""
     if op == 1:

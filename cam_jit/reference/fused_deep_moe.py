@@ -1,6 +1,6 @@
-"""Golden "small ops" reference of ``fused_deep_moe`` (SPEC.md §1): the spec made executable.
+"""Golden "small ops" reference of ``fused_deep_moe`` (docs/semantics.md §1): the spec made executable.
 
-Every numbered SPEC step is one float32 torch op, one rounding each, no fused ops:
+Every numbered step of docs/semantics.md §1.8 is one float32 torch op, one rounding each, no fused ops:
 
 * Step 1 (source rank)  ``v = f32(x) [* smooth[g]]``; ``amax = max|v|``; ``s_q = 127/amax``;
   ``q = rint(v*s_q)``; ``a = 1/s_q``.
@@ -94,7 +94,7 @@ def _resolve_group(group_ep):
 
 
 # ----------------------------------------------------------------------------------------------
-# the numbered SPEC steps (all float32, one rounding per op)
+# the numbered steps of docs/semantics.md §1.8 (all float32, one rounding per op)
 # ----------------------------------------------------------------------------------------------
 def quantize_rows(v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Step 1.3-1.6: per-row dynamic int8 quantization.
@@ -296,7 +296,7 @@ def fused_deep_moe(
     quant_mode: int = 0,
     global_bs: int = 0,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Reference ``fused_deep_moe`` (SPEC.md §1), CPU, plain float32 torch.
+    """Reference ``fused_deep_moe`` (docs/semantics.md §1), CPU, plain float32 torch.
 
     Args:
         x: ``[BS, H]`` bf16/fp16 local tokens (``BS`` may be 0, may differ per rank).

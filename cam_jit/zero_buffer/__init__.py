@@ -1,4 +1,4 @@
-"""The zero-copy expert-parallel buffer (SPEC.md §5): `FusedDeepMoeBuffer`.
+"""The zero-copy expert-parallel buffer (docs/semantics.md §5): `FusedDeepMoeBuffer`.
 
 On CPU its symmetric heap is POSIX shared memory, one segment per rank on one host; importing
 this package registers the `cpu_zb` JIT backend (compiled on the first `init`, never for plain

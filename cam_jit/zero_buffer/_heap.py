@@ -1,4 +1,4 @@
-"""The symmetric heap of FusedDeepMoeBuffer on CPU (SPEC.md §5.2, "CPU design").
+"""The symmetric heap of FusedDeepMoeBuffer on CPU (docs/semantics.md §5.2, "CPU design").
 
 One POSIX shared-memory segment of `memsize` bytes per rank (sparse until touched): the first
 2 MiB are the ext-info region (this module's header and the transport's flags), the rest is the
@@ -32,7 +32,7 @@ from cam_jit.jit.errors import JitError
 from cam_jit.jit.spec import BuildSpec
 
 BACKEND = "cpu_zb"
-EXT_INFO_BYTES = 2 * 1024 * 1024  # SPEC.md §5.1
+EXT_INFO_BYTES = 2 * 1024 * 1024  # docs/semantics.md §5.1
 SEGMENT_PREFIX = "/cam_jit_zb."  # shm_open names; they appear as /dev/shm/cam_jit_zb.*
 MAGIC = 0x42_5A_54_49_4A_4D_41_43  # "CAMJITZB" little-endian: the segment header's first word
 HEADER_WORDS = 8  # int64: magic, rank, num_ranks, memsize, pid, process start time, 0, 0

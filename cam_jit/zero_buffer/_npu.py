@@ -1,4 +1,4 @@
-"""FusedDeepMoeBuffer on the NPU (SPEC.md §5.1, §7.2): the symmetric heap is Ascend SHMEM's,
+"""FusedDeepMoeBuffer on the NPU (docs/semantics.md §5.1, §7.2): the symmetric heap is Ascend SHMEM's,
 created and freed by the wrapper library's ``zb_shmem_init`` / ``zb_shmem_finalize`` ops
 (``wrappers/zb_shmem.cpp``, built only when ``SHMEM_HOME_PATH`` holds SHMEM, see
 :func:`cam_jit.ascend.build.shmem_part`), and a call is the wrapper's ``fused_deep_moe`` with the
@@ -15,7 +15,7 @@ from cam_jit.ops import _checks as check
 from cam_jit.zero_buffer._heap import EXT_INFO_BYTES
 
 NPU_DEVICE = "npu"  # torch_npu's name for the PrivateUse1 device
-NO_SHMEM = "SHMEM is not enabled. Please set SHMEM_HOME_PATH and recompile."  # SPEC.md §5.1
+NO_SHMEM = "SHMEM is not enabled. Please set SHMEM_HOME_PATH and recompile."  # docs/semantics.md §5.1
 BASE_ABI = "base"  # the only aclnnFusedDeepMoe prototype with the SHMEM attributes (§7.2)
 
 
@@ -51,7 +51,7 @@ class NpuHeap:
     def fused_deep_moe(self, where: str, args: Dict[str, Any]) -> List[torch.Tensor]:
         """The zero-buffer call: ``args`` are the validated arguments of fused_deep_moe's NPU
         kernel (W8A8, no biases); returns [output, share_output, expert_token_nums], zero-filled
-        before the call as the non-ZB NPU kernel does (SPEC.md §8.4)."""
+        before the call as the non-ZB NPU kernel does (docs/semantics.md §8.4)."""
         from cam_jit.ascend import npu_ops, registry
 
         b = npu_ops.binding()

@@ -1,4 +1,4 @@
-"""Strict mode of `FusedDeepMoeBuffer.zb_fused_deep_moe` (SPEC.md §0.6, §5.2, §7.5).
+"""Strict mode of `FusedDeepMoeBuffer.zb_fused_deep_moe` (docs/semantics.md §0.6, §5.2, §7.5).
 
 fused_deep_moe's NPU limits (reused from `cam_jit.ops.fused_deep_moe_strict`, in upstream order)
 with the zero-buffer differences of §5.2: the local batch may reach 40960 instead of 256, the

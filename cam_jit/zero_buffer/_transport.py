@@ -1,5 +1,5 @@
 """Token transport of FusedDeepMoeBuffer on CPU: dispatch and combine by direct stores into the
-peers' segments of the symmetric heap (SPEC.md §5.2, "CPU design").
+peers' segments of the symmetric heap (docs/semantics.md §5.2, "CPU design").
 
 Every rank's ext-info region holds at byte 2048 its doorbell, a 32-bit futex word that each
 signal to it increments (waiters sleep on it), and from byte 4096 control slots of 64 bytes,

@@ -1,4 +1,4 @@
-"""`FusedDeepMoeBuffer`: the zero-buffer (SHMEM) variant of W8A8 `fused_deep_moe` (SPEC.md §5).
+"""`FusedDeepMoeBuffer`: the zero-buffer (SHMEM) variant of W8A8 `fused_deep_moe` (docs/semantics.md §5).
 
 On CPU the symmetric heap is one POSIX shared-memory segment per rank (`_heap`), and tokens
 travel by direct stores into the peers' segments (`_transport`). The math is fused_deep_moe's
@@ -33,7 +33,7 @@ TensorOrList = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 class FusedDeepMoeBuffer:
     """Communication resources for `zb_fused_deep_moe`: a symmetric heap shared by the ranks of
-    one host (SPEC.md §5.1). Usage, on every rank::
+    one host (docs/semantics.md §5.1). Usage, on every rank::
 
         buf = cam_jit.FusedDeepMoeBuffer()
         buf.init(rank, num_ranks, memsize, "tcp://127.0.0.1:29600")
@@ -65,7 +65,7 @@ class FusedDeepMoeBuffer:
                 A call needs memsize >= 2 MiB + R * P * (ceil16(H + 12) + H * x.element_size()),
                 P = the most (token, expert) pairs one rank sends to one rank (<= BS * K); a call
                 that needs more is refused on every rank, naming the memsize it needs. Strict
-                mode also applies the NPU's workspace formula (SPEC.md §5.2).
+                mode also applies the NPU's workspace formula (docs/semantics.md §5.2).
             ip_port: "tcp://host:port" where rank 0 serves the bootstrap TCPStore (any free port).
             timeout: seconds a rank waits for its peers, in init and in every call (default:
                 CAM_JIT_COMM_TIMEOUT, 300). A dead peer is noticed within ~50 ms. CPU only (SHMEM
@@ -79,7 +79,7 @@ class FusedDeepMoeBuffer:
             RuntimeError: peers missing after the timeout, ranks on different hosts, or a
                 shared-memory failure (the text says which). On the NPU: "SHMEM is not enabled.
                 Please set SHMEM_HOME_PATH and recompile." when the wrapper library was built
-                without SHMEM, or SHMEM's failure (SPEC.md §5.1 texts).
+                without SHMEM, or SHMEM's failure (docs/semantics.md §5.1 texts).
         """
         where = f"{CLASS}.init"
         for arg, value in (("rank", rank), ("num_ranks", num_ranks), ("memsize", memsize)):
@@ -176,8 +176,8 @@ class FusedDeepMoeBuffer:
         *,
         strict: Optional[bool] = None,
     ) -> List[torch.Tensor]:
-        """`cam_jit.fused_deep_moe` (W8A8 only) through the buffer: same arguments, in SPEC.md
-        §5.1's positional order (or by keyword), same results bit for bit. Collective: every
+        """`cam_jit.fused_deep_moe` (W8A8 only) through the buffer: same arguments, in CAM's
+        positional order (docs/semantics.md §5.1) (or by keyword), same results bit for bit. Collective: every
         rank of the buffer calls it, in the same order.
 
         Args:
@@ -186,7 +186,7 @@ class FusedDeepMoeBuffer:
                 expert_scales [BS, K] int32 / float32, gmm1_weight [E_loc, H, 2I] int8, ...
             group_ep: unused (upstream passes ""); any value.
             ep_rank_size, ep_rank_id: must equal init's num_ranks and rank.
-            strict: also apply the NPU kernel's limits, with the zero-buffer ones (SPEC.md §5.2,
+            strict: also apply the NPU kernel's limits, with the zero-buffer ones (docs/semantics.md §5.2,
                 §7.5 item 9): batch <= 40960, no HCCL window, the workspace formula.
 
         Returns:
@@ -194,7 +194,7 @@ class FusedDeepMoeBuffer:
              expert), expert_token_nums [E_loc] int64], fresh tensors (nothing aliases the heap).
 
         On an NPU buffer the tensors are on the NPU and the call is the NPU kernel (base ABI,
-        ext_info, shmem_workspace, memsize - 2 MiB; SPEC.md §7.2); data checks are the device's.
+        ext_info, shmem_workspace, memsize - 2 MiB; docs/semantics.md §7.2); data checks are the device's.
 
         Raises:
             RuntimeError: not initialised; a peer refused its arguments, died or timed out
@@ -233,7 +233,7 @@ def _check_call(args: dict, rank: int, num_ranks: int, memsize: int, strict: Opt
         check.fail(OP, arg, f"{want} (init's {'num_ranks' if arg == 'ep_rank_size' else 'rank'})", got)
     weights = args["gmm1_weight"]
     if weights and weights[0].dtype != torch.int8:
-        check.fail(OP, "gmm1_weight[0]", "dtype int8: the zero buffer is W8A8 only (SPEC.md §5.1)",
+        check.fail(OP, "gmm1_weight[0]", "dtype int8: the zero buffer is W8A8 only (docs/semantics.md §5.1)",
                    check.dtype_name(weights[0].dtype), TypeError)
     layout = validate(**args)
     if strict_enabled(strict):
@@ -261,7 +261,7 @@ def _arguments(given: dict) -> dict:
 
 
 def _run(transport: Transport, a: dict, layout: Layout, active: int) -> List[torch.Tensor]:
-    """SPEC.md §1.8 with the kernels and order of fused_deep_moe's CPU path; the rows travel
+    """docs/semantics.md §1.8 with the kernels and order of fused_deep_moe's CPU path; the rows travel
     through the heap instead of all_to_all."""
     kernels = cpu_kernels()
     x, e_loc, hidden = a["x"], layout.local_experts, layout.hidden

@@ -1,5 +1,5 @@
 // Expert-side kernels of fused_deep_moe on CPU: per local expert, integer GEMM1, dequant + SwiGLU
-// + requant, integer GEMM2, dequant (SPEC.md §1.8 steps 2-4; W4A8: §1.9). The integer GEMMs are
+// + requant, integer GEMM2, dequant (docs/semantics.md §1.8 steps 2-4; W4A8: §1.9). The integer GEMMs are
 // ATen's exact int8 x int8 -> int32 `_int_mm`; the epilogues are fused loops threaded with
 // at::parallel_for. W4A8 unpacks each expert's int4 weights to int8 and multiplies the high and
 // low nibbles of the activations (stacked into one GEMM) by them.
@@ -96,7 +96,7 @@ void swiglu_requant(const at::Tensor& d, const at::Tensor& exp_neg, at::Tensor& 
       }
       int8_t* qr = q_ptr + r * inter;
       const float inv_m = 1.f / m;
-      if (std::isinf(inv_m)) {  // m 0 or subnormal, SPEC.md §1.11
+      if (std::isinf(inv_m)) {  // m 0 or subnormal, docs/semantics.md §1.11
         std::fill(qr, qr + inter, int8_t{0});
         b[r] = 0.f;
         continue;

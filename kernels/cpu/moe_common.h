@@ -1,6 +1,6 @@
 // Shared helpers of the CPU MoE kernels (namespace _cam_jit_cpu).
 //
-// Numerical contract: SPEC.md §1.8. Every float operation below is a single IEEE float32
+// Numerical contract: docs/semantics.md §1.8. Every float operation below is a single IEEE float32
 // operation; the build passes -ffp-contract=off so the compiler never fuses a multiply and an add.
 #pragma once
 
@@ -16,7 +16,7 @@ namespace cam_jit_cpu {
 
 // The [K_in, N] matrix (item_dim == 2) or [N] vector (item_dim == 1) of local expert `e` in a
 // weight container: one stacked tensor with a leading expert dimension, one un-stacked tensor
-// (single local expert), or one tensor per expert (SPEC.md §1.3).
+// (single local expert), or one tensor per expert (docs/semantics.md §1.3).
 inline at::Tensor expert_item(at::TensorList container, int64_t e, int64_t item_dim) {
   if (container.size() == 1) {
     const at::Tensor& only = container[0];

@@ -13,7 +13,7 @@
 namespace cam_jit_cpu {
 namespace {
 
-// SPEC.md §1.8 step 1 for `n` output rows. Output row i quantises x[x_index[i]] (or x[i]),
+// docs/semantics.md §1.8 step 1 for `n` output rows. Output row i quantises x[x_index[i]] (or x[i]),
 // multiplied element-wise by smooth_scales[smooth_index[i]] (or smooth_scales[i]) when given.
 std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x,
                                                  const c10::optional<at::Tensor>& smooth_scales,
@@ -76,7 +76,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x,
         }
         int8_t* qr = q_ptr + i * hidden;
         const float s_q = 127.f / amax;
-        if (std::isinf(s_q)) {  // amax 0 or subnormal, SPEC.md §1.11: zero row, zero scale, never NaN
+        if (std::isinf(s_q)) {  // amax 0 or subnormal, docs/semantics.md §1.11: zero row, zero scale, never NaN
           std::fill(qr, qr + hidden, int8_t{0});
           scale_ptr[i] = 0.f;
           continue;
@@ -91,7 +91,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x,
   return {q, scale};
 }
 
-// SPEC.md §1.8 step 5. y holds one expert result per routed pair; pair_rows[t, k] is the row of
+// docs/semantics.md §1.8 step 5. y holds one expert result per routed pair; pair_rows[t, k] is the row of
 // y for pair (t, k), or -1 for a skipped pair. Rows t >= active_count are zero.
 at::Tensor combine(const at::Tensor& y, const at::Tensor& pair_rows, const at::Tensor& weights,
                    int64_t active_count) {

@@ -1,4 +1,4 @@
-// Shared-memory transport of cam_jit.FusedDeepMoeBuffer on CPU (SPEC.md §5.2, "CPU design").
+// Shared-memory transport of cam_jit.FusedDeepMoeBuffer on CPU (docs/semantics.md §5.2, "CPU design").
 //
 // POSIX shared-memory segments (create / map / unmap / unlink), tensors viewing mapped memory,
 // row puts straight into a peer's mapping, and completion flags: a writer stores its rows with
