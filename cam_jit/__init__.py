@@ -9,3 +9,13 @@ from cam_jit.ops import __all__ as _ops_all
 from cam_jit.zero_buffer import FusedDeepMoeBuffer
 
 __all__ = ["__version__", "FusedDeepMoeBuffer", "load", *_ops_all]
+
+_SUBMODULES = ("reference",)  # loaded on first attribute access: `cam_jit.reference.fused_deep_moe`
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"cam_jit.{name}")
+    raise AttributeError(f"module 'cam_jit' has no attribute {name!r}")

@@ -77,8 +77,9 @@ HCCL_TEXT = ("HCCL_BUFFSIZE is too SMALL, globalBatchSize = {gbs}, h = {h}, moeE
 CASES = [
     ("experts-over-512", dict(experts=516, ranks=129), None, "moe_expert_num", "moeExpertNum must <= 512."),
     ("quant-mode", dict(quant_mode=1), None, "quant_mode", "[doc] quantMode must be 0"),
-    ("group-name-empty", dict(group_ep=""), None, "group_ep", "[doc] the group name length must be in (0, 128)"),
-    ("group-name-128", dict(group_ep="g" * 128), None, "group_ep", "[doc] the group name length must be in (0, 128)"),
+    # the name only matters with several ranks (one rank communicates with nobody)
+    ("group-name-empty", dict(group_ep="", ranks=2), None, "group_ep", "[doc] the group name length must be in (0, 128)"),
+    ("group-name-128", dict(group_ep="g" * 128, ranks=2), None, "group_ep", "[doc] the group name length must be in (0, 128)"),
     # 4 experts * 256 tokens * 1024 * 2 B * 2 = 4 MiB > 3 MiB
     ("hccl-window", dict(global_bs=256), "3", "global_bs", HCCL_TEXT.format(gbs=256, h=1024, e=4, need=4, have=3)),
     # 4 * 12804 * 1024 * 4 B = 200.06 MiB > the default 200 MiB

@@ -181,7 +181,7 @@ def _lowlatency_model():
     ids = torch.tensor([[0, 1]] * BS, dtype=torch.int32)
 
     def model(x, ids):
-        return moe_dispatch_lowlatency(x, ids, group_ep="", ep_world_size=1, ep_rank_id=0, moe_expert_num=E)
+        return moe_dispatch_lowlatency(x, ids, group_ep="", ep_rank_size=1, ep_rank_id=0, moe_expert_num=E)
 
     return model, (x, ids)
 

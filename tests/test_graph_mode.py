@@ -54,7 +54,7 @@ class LowLatency(torch.nn.Module):
     """dispatch (no quantisation) -> an elementwise 'expert' -> combine."""
 
     def forward(self, x, ids, scales, mask):
-        group = dict(group_ep="", ep_world_size=1, ep_rank_id=0, moe_expert_num=E)
+        group = dict(group_ep="", ep_rank_size=1, ep_rank_id=0, moe_expert_num=E)
         expand_x, _, assist, _, recv = moe_dispatch_lowlatency(x, ids, None, mask, quant_mode=0, **group)
         return moe_combine_lowlatency(expand_x * 2, ids, assist, recv, scales, mask, **group)
 

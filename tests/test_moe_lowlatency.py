@@ -15,7 +15,7 @@ SMALL = dict(hidden=128, inter=64, experts=8, topk=4)
 
 
 def _group_args(kw):
-    return dict(group_ep=dist.group.WORLD if kw["ep_rank_size"] > 1 else "", ep_world_size=kw["ep_rank_size"],
+    return dict(group_ep=dist.group.WORLD if kw["ep_rank_size"] > 1 else "", ep_rank_size=kw["ep_rank_size"],
                 ep_rank_id=kw["ep_rank_id"], moe_expert_num=kw["moe_expert_num"], global_bs=kw["global_bs"])
 
 
@@ -107,7 +107,7 @@ def _dispatch_args():
     gen = torch.Generator().manual_seed(0)
     return dict(x=torch.randn(4, 32, generator=gen).to(torch.bfloat16),
                 expert_ids=torch.tensor([[0, 1], [2, 3], [1, -1], [3, 2]], dtype=torch.int32),
-                scales=None, x_active_mask=None, group_ep="", ep_world_size=1, ep_rank_id=0, moe_expert_num=4,
+                scales=None, x_active_mask=None, group_ep="", ep_rank_size=1, ep_rank_id=0, moe_expert_num=4,
                 quant_mode=2, global_bs=0)
 
 
@@ -123,10 +123,10 @@ DISPATCH_CASES = [
     ("scales-without-quant", dict(scales=torch.ones(4, 32), quant_mode=0), ValueError, ["'scales'", "quant_mode == 2"]),
     ("scales-shape", dict(scales=torch.ones(4, 31)), ValueError, ["'scales'", "[4, 32]", "[4, 31]"]),
     ("mask-dtype", dict(x_active_mask=torch.ones(4)), TypeError, ["'x_active_mask'", "bool", "float32"]),
-    ("world-size", dict(ep_world_size=0), ValueError, ["'ep_world_size'", "> 0", "got 0"]),
-    ("rank", dict(ep_rank_id=2), ValueError, ["'ep_rank_id'", "ep_world_size (1)", "got 2"]),
+    ("rank-size", dict(ep_rank_size=0), ValueError, ["'ep_rank_size'", "> 0", "got 0"]),
+    ("rank", dict(ep_rank_id=2), ValueError, ["'ep_rank_id'", "ep_rank_size (1)", "got 2"]),
     ("experts", dict(moe_expert_num=0), ValueError, ["'moe_expert_num'", "positive multiple"]),
-    ("global-bs-small", dict(global_bs=2), ValueError, ["'global_bs'", ">= BS * ep_world_size = 4", "got 2"]),
+    ("global-bs-small", dict(global_bs=2), ValueError, ["'global_bs'", ">= BS * ep_rank_size = 4", "got 2"]),
     ("group", dict(group_ep=3), TypeError, ["'group_ep'", "int"]),
 ]
 
@@ -197,3 +197,28 @@ def test_combine_good_arguments_baseline():
     out = moe_combine_lowlatency(*tensors, **args)
     x = _dispatch_args()["x"]
     assert torch.equal(out[2], x[2].float().mul(0.5).to(torch.bfloat16))  # one routed slot
+
+
+def test_one_name_for_the_ep_group_size():
+    """ep_rank_size everywhere (schemas and functions); torch_npu's ep_world_size is a keyword alias
+    of the low-latency ops only, and giving both is an error (docs/semantics.md §0.7)."""
+    import inspect
+
+    from cam_jit import FusedDeepMoeBuffer, fused_deep_moe
+    from cam_jit.ops import describe_ops
+
+    for fn in (fused_deep_moe, moe_dispatch_lowlatency, moe_combine_lowlatency, FusedDeepMoeBuffer.zb_fused_deep_moe):
+        assert "ep_rank_size" in inspect.signature(fn).parameters, fn.__name__
+    assert not [op["schema"] for op in describe_ops() if "ep_world_size" in op["schema"]]
+    args = _dispatch_args()
+    x, ids = args.pop("x"), args.pop("expert_ids")
+    by_name = moe_dispatch_lowlatency(x, ids, **args)
+    args["ep_world_size"] = args.pop("ep_rank_size")
+    by_alias = moe_dispatch_lowlatency(x, ids, **args)
+    assert all(torch.equal(a, b) for a, b in zip(by_name, by_alias))
+    with pytest.raises(TypeError, match="got both 'ep_rank_size' and its alias 'ep_world_size'"):
+        moe_dispatch_lowlatency(x, ids, ep_rank_size=1, **args)
+    combine = _combine_args()
+    combine.pop("ep_world_size")
+    with pytest.raises(TypeError, match="missing required keyword argument 'ep_rank_size'"):
+        moe_combine_lowlatency(**combine)

@@ -41,6 +41,16 @@ def integer(op: str, arg: str, value: object) -> int:
     return value
 
 
+def keyword_alias(op: str, name: str, value: object, alias: str, alias_value: object) -> object:
+    """The value of a required keyword argument `name` that may also be given under its alias
+    (e.g. torch_npu's `ep_world_size` for `ep_rank_size`); exactly one of the two must be given."""
+    if value is not None and alias_value is not None:
+        raise TypeError(f"{op}: got both '{name}' and its alias '{alias}'; pass one")
+    if value is None and alias_value is None:
+        raise TypeError(f"{op}: missing required keyword argument '{name}' (or its alias '{alias}')")
+    return value if value is not None else alias_value
+
+
 def argument_types(op: str, tensors: Dict[str, object], optional: Dict[str, object], ints: Dict[str, object]) -> None:
     """Python-level type checks a public function makes before calling its op (the dispatcher's
     own messages for these are unreadable): tensors, optional tensors and ints, by name."""

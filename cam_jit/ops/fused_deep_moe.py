@@ -49,130 +49,154 @@ class Layout:
 _VARIANTS = {torch.int8: "W8A8", torch.int32: "W4A8"}
 
 
-def _container(arg: str, items: object, item_shape: Sequence[int], local_experts: int, note: str = "") -> torch.dtype:
+def _first(arg: str, items: Sequence[torch.Tensor]) -> str:
+    """How errors name the first tensor of a container: `arg` for a single stacked tensor,
+    `arg[0]` for the first of a per-expert list."""
+    return arg if len(items) == 1 else f"{arg}[0]"
+
+
+def _container(op: str, arg: str, items: object, item_shape: Sequence[int], local_experts: int, note: str = "") -> torch.dtype:
     """Checks a weight container (docs/semantics.md §1.3): one stacked [E_loc, *item_shape] tensor (or, with
     one local expert, one item_shape tensor), or E_loc item_shape tensors. Returns the dtype.
     `note` explains item_shape in the errors."""
     if not items:
-        check.fail(OP, arg, "a tensor or a non-empty list of tensors", "an empty list")
+        check.fail(op, arg, "a tensor or a non-empty list of tensors", "an empty list")
     item_dim = len(item_shape)
     if len(items) == 1:
         only = items[0]
         if only.dim() == item_dim + 1:
-            check.shape(OP, arg + "[0]", only, [local_experts, *item_shape], "stacked [E_loc, ...] container" + note)
+            check.shape(op, arg, only, [local_experts, *item_shape], "stacked [E_loc, ...] container" + note)
         elif only.dim() == item_dim and local_experts == 1:
-            check.shape(OP, arg + "[0]", only, item_shape, note.lstrip("; "))
+            check.shape(op, arg, only, item_shape, note.lstrip("; "))
         else:
             check.fail(
-                OP,
-                arg + "[0]",
+                op,
+                arg,
                 f"a stacked {item_dim + 1}-D tensor of shape {[local_experts, *item_shape]}"
                 + (f" or a {item_dim}-D tensor of shape {list(item_shape)}" if local_experts == 1 else ""),
                 f"{only.dim()}-D with shape {list(only.shape)}",
             )
     elif len(items) == local_experts:
         for i, t in enumerate(items):
-            check.shape(OP, f"{arg}[{i}]", t, item_shape, f"local expert {i}{note}")
+            check.shape(op, f"{arg}[{i}]", t, item_shape, f"local expert {i}{note}")
     else:
         check.fail(
-            OP,
+            op,
             arg,
             f"a list of 1 stacked tensor or {local_experts} per-expert tensors (E_loc = moe_expert_num / ep_rank_size)",
             f"a list of {len(items)}",
         )
     dtypes = {t.dtype for t in items}
     if len(dtypes) > 1:
-        check.fail(OP, arg, "one dtype for all its tensors", sorted(check.dtype_name(d) for d in dtypes), TypeError)
+        check.fail(op, arg, "one dtype for all its tensors", sorted(check.dtype_name(d) for d in dtypes), TypeError)
     return items[0].dtype
 
 
-def _shared_tensor(arg: str, t: torch.Tensor, item_shape: Sequence[int]) -> None:
+def _shared_tensor(op: str, arg: str, t: torch.Tensor, item_shape: Sequence[int]) -> None:
     """A shared-expert tensor: item_shape, or [1, *item_shape] (docs/semantics.md §1.2 rows 7-10, 16-17)."""
     if list(t.shape) not in (list(item_shape), [1, *item_shape]):
-        check.fail(OP, arg, f"shape {list(item_shape)} or {[1, *item_shape]}", list(t.shape))
+        check.fail(op, arg, f"shape {list(item_shape)} or {[1, *item_shape]}", list(t.shape))
 
 
-def _same_variant(arg: str, t: torch.Tensor, weight_dtype: torch.dtype) -> None:
+def _same_variant(op: str, arg: str, t: torch.Tensor, weight_dtype: torch.dtype) -> None:
     """A weight must have gmm1_weight's dtype: one variant for all weights (docs/semantics.md §1.1)."""
     if t.dtype != weight_dtype:
-        check.fail(OP, arg, f"dtype {check.dtype_name(weight_dtype)} ({_VARIANTS[weight_dtype]}, like gmm1_weight: "
+        check.fail(op, arg, f"dtype {check.dtype_name(weight_dtype)} ({_VARIANTS[weight_dtype]}, like gmm1_weight: "
                    "all weights share one variant)", check.dtype_name(t.dtype), TypeError)
 
 
-def _bias_container(arg: str, items: List[torch.Tensor], width: int, width_name: str, local_experts: int,
+def _bias_container(op: str, arg: str, items: List[torch.Tensor], width: int, width_name: str, local_experts: int,
                     note: str) -> None:
     """A required W4A8 bias container (docs/semantics.md §1.3, §1.5): float32 [E_loc, width] or E_loc [width]."""
     if not items:
-        check.fail(OP, arg, f"the W4A8 compensation bias, a float32 [E_loc, {width_name}] tensor or E_loc "
+        check.fail(op, arg, f"the W4A8 compensation bias, a float32 [E_loc, {width_name}] tensor or E_loc "
                    f"[{width_name}] tensors ({width_name} = {width}; see cam_jit.ops.weights.w4a8_compensation_bias)",
                    "an empty list")
-    _container(arg, items, (width,), local_experts, note)
-    check.dtype(OP, arg + "[0]", items[0], (torch.float32,))
+    _container(op, arg, items, (width,), local_experts, note)
+    check.dtype(op, _first(arg, items), items[0], (torch.float32,))
+
+
+def _check_gate_and_up(op: str, gmm1_weight, gmm1_weight_scale, gmm2_weight, width1: int, pack: int) -> None:
+    """gmm1_weight's output width must be 2I, I being gmm2_weight's input rows: when gmm1_weight
+    alone disagrees (e.g. its up half is missing) while gmm1_weight_scale and gmm2_weight agree
+    with each other, the error names gmm1_weight, not the arguments that are right."""
+    if not gmm1_weight_scale or not gmm2_weight or gmm2_weight[0].dim() not in (2, 3):
+        return
+    inter, scale_width = gmm2_weight[0].shape[-2], gmm1_weight_scale[0].shape[-1]
+    if width1 != 2 * inter and scale_width == 2 * inter:
+        words = f" int32 words (2I = {2 * inter} int4 columns)" if pack > 1 else ""
+        check.fail(op, _first("gmm1_weight", gmm1_weight),
+                   f"a last dimension of {2 * inter // pack}{words}: the [gate | up] columns, 2I with I = {inter} "
+                   f"(gmm2_weight's input rows; gmm1_weight_scale has {scale_width} columns)",
+                   f"shape {list(gmm1_weight[0].shape)}, {width1} columns"
+                   + (" (half of them: is the up half missing?)" if width1 == inter else ""))
 
 
 def validate(
     x, expert_ids, gmm1_weight, gmm1_weight_scale, gmm2_weight, gmm2_weight_scale, expert_scales,
     share_gmm1_weight, share_gmm1_weight_scale, share_gmm2_weight, share_gmm2_weight_scale,
     expert_smooth_scales, share_smooth_scales, x_active_mask, gmm1_bias, gmm2_bias, share_gmm1_bias,
-    share_gmm2_bias, group_ep, ep_rank_size, ep_rank_id, moe_expert_num, quant_mode, global_bs,
+    share_gmm2_bias, group_ep, ep_rank_size, ep_rank_id, moe_expert_num, quant_mode, global_bs, op: str = OP,
 ) -> Layout:
     """Basic validation (docs/semantics.md §0.6) of everything knowable without reading tensor data, for
-    arguments of the schema's types (the dispatcher has checked those). Works on fake tensors."""
-    local_experts = check.expert_parallel(OP, "ep_rank_size", ep_rank_size, ep_rank_id, moe_expert_num, global_bs)
+    arguments of the schema's types (the dispatcher has checked those). Works on fake tensors.
+    `op` labels the errors (the public entry point that was called)."""
+    local_experts = check.expert_parallel(op, "ep_rank_size", ep_rank_size, ep_rank_id, moe_expert_num, global_bs)
 
-    check.ndim(OP, "x", x, 2)
-    check.dtype(OP, "x", x, (torch.bfloat16, torch.float16))
+    check.ndim(op, "x", x, 2)
+    check.dtype(op, "x", x, (torch.bfloat16, torch.float16))
     batch, hidden = x.shape
-    check.ndim(OP, "expert_ids", expert_ids, 2)
-    check.dtype(OP, "expert_ids", expert_ids, (torch.int32,))
+    check.ndim(op, "expert_ids", expert_ids, 2)
+    check.dtype(op, "expert_ids", expert_ids, (torch.int32,))
     if expert_ids.shape[0] != batch:
-        check.fail(OP, "expert_ids", f"shape[0] == {batch} (x.shape[0], the batch)", list(expert_ids.shape))
+        check.fail(op, "expert_ids", f"shape[0] == {batch} (x.shape[0], the batch)", list(expert_ids.shape))
     topk = expert_ids.shape[1]
-    check.dtype(OP, "expert_scales", expert_scales, (torch.float32,))
-    check.shape(OP, "expert_scales", expert_scales, list(expert_ids.shape), "the shape of expert_ids")
+    check.dtype(op, "expert_scales", expert_scales, (torch.float32,))
+    check.shape(op, "expert_scales", expert_scales, list(expert_ids.shape), "the shape of expert_ids")
 
     if not gmm1_weight:
-        check.fail(OP, "gmm1_weight", "a tensor or a non-empty list of tensors", "an empty list")
+        check.fail(op, "gmm1_weight", "a tensor or a non-empty list of tensors", "an empty list")
     weight_dtype = gmm1_weight[0].dtype
     if weight_dtype not in _VARIANTS:
-        check.fail(OP, "gmm1_weight[0]", "dtype int8 (W8A8) or int32 (W4A8: packed int4)",
+        check.fail(op, _first("gmm1_weight", gmm1_weight), "dtype int8 (W8A8) or int32 (W4A8: packed int4)",
                    check.dtype_name(weight_dtype), TypeError)
     w4a8 = weight_dtype == torch.int32
     pack = INT4_PER_WORD if w4a8 else 1  # logical columns per stored element
-    check.ndim(OP, "gmm1_weight[0]", gmm1_weight[0], (2, 3))
+    check.ndim(op, _first("gmm1_weight", gmm1_weight), gmm1_weight[0], (2, 3))
     width1 = gmm1_weight[0].shape[-1] * pack
     if width1 % 2:
-        check.fail(OP, "gmm1_weight", "an even last dimension 2*I (gate | up columns)", width1)
+        check.fail(op, "gmm1_weight", "an even last dimension 2*I (gate | up columns)", width1)
+    _check_gate_and_up(op, gmm1_weight, gmm1_weight_scale, gmm2_weight, width1, pack)
     inter = width1 // 2
     if hidden % pack:
-        check.fail(OP, "x", f"a hidden size H that is a multiple of {pack} under W4A8 (gmm2_weight packs H int4 "
+        check.fail(op, "x", f"a hidden size H that is a multiple of {pack} under W4A8 (gmm2_weight packs H int4 "
                    f"columns into H/{pack} int32 words)", f"H = {hidden}")
     scale_dtypes = (torch.float32, x.dtype)
     packed1 = f"; 2I = 8 x the {width1 // pack} int32 words of gmm1_weight" if w4a8 else ""
-    _container("gmm1_weight", gmm1_weight, (hidden, width1 // pack), local_experts)
-    s1_dtype = _container("gmm1_weight_scale", gmm1_weight_scale, (width1,), local_experts, packed1)
+    _container(op, "gmm1_weight", gmm1_weight, (hidden, width1 // pack), local_experts)
+    s1_dtype = _container(op, "gmm1_weight_scale", gmm1_weight_scale, (width1,), local_experts, packed1)
     if gmm2_weight:
-        _same_variant("gmm2_weight[0]", gmm2_weight[0], weight_dtype)
-    _container("gmm2_weight", gmm2_weight, (inter, hidden // pack), local_experts,
+        _same_variant(op, _first("gmm2_weight", gmm2_weight), gmm2_weight[0], weight_dtype)
+    _container(op, "gmm2_weight", gmm2_weight, (inter, hidden // pack), local_experts,
                f"; H / 8 = {hidden // pack} int32 words of 8 int4 columns each" if w4a8 else "")
-    s2_dtype = _container("gmm2_weight_scale", gmm2_weight_scale, (hidden,), local_experts)
-    check.dtype(OP, "gmm1_weight_scale[0]", gmm1_weight_scale[0], scale_dtypes)
-    check.dtype(OP, "gmm2_weight_scale[0]", gmm2_weight_scale[0], scale_dtypes)
+    s2_dtype = _container(op, "gmm2_weight_scale", gmm2_weight_scale, (hidden,), local_experts)
+    check.dtype(op, _first("gmm1_weight_scale", gmm1_weight_scale), gmm1_weight_scale[0], scale_dtypes)
+    check.dtype(op, _first("gmm2_weight_scale", gmm2_weight_scale), gmm2_weight_scale[0], scale_dtypes)
     per_expert = len(gmm1_weight) > 1
     containers = [("gmm1_weight_scale", gmm1_weight_scale), ("gmm2_weight", gmm2_weight),
                   ("gmm2_weight_scale", gmm2_weight_scale)]
     if w4a8:
-        _bias_container("gmm1_bias", gmm1_bias, width1, "2I", local_experts, packed1)
-        _bias_container("gmm2_bias", gmm2_bias, hidden, "H", local_experts, "; one per unpacked column")
+        _bias_container(op, "gmm1_bias", gmm1_bias, width1, "2I", local_experts, packed1)
+        _bias_container(op, "gmm2_bias", gmm2_bias, hidden, "H", local_experts, "; one per unpacked column")
         containers += [("gmm1_bias", gmm1_bias), ("gmm2_bias", gmm2_bias)]
     else:
         for arg, items in (("gmm1_bias", gmm1_bias), ("gmm2_bias", gmm2_bias)):
             if items:
-                check.fail(OP, arg, "an empty list under W8A8 (biases are W4A8 compensation terms)",
+                check.fail(op, arg, "an empty list under W8A8 (biases are W4A8 compensation terms)",
                            f"a list of {len(items)}")
     for arg, items in containers:
         if (len(items) > 1) != per_expert:
-            check.fail(OP, arg, f"the same container mode as gmm1_weight (a list of {len(gmm1_weight)})",
+            check.fail(op, arg, f"the same container mode as gmm1_weight (a list of {len(gmm1_weight)})",
                        f"a list of {len(items)}")
 
     shared_args = {
@@ -190,61 +214,61 @@ def validate(
             "without a shared expert (share_gmm1_weight is None)"
         for arg, value in share_biases.items():
             if value is not None:
-                check.fail(OP, arg, f"None {why}", "a tensor")
+                check.fail(op, arg, f"None {why}", "a tensor")
     if shared:
         if len(present) != 4:
             missing = [name for name in shared_args if name not in present]
-            check.fail(OP, missing[0], "a tensor: the four share_* weights and scales are given together",
+            check.fail(op, missing[0], "a tensor: the four share_* weights and scales are given together",
                        f"None while {present} are given")
-        _same_variant("share_gmm1_weight", share_gmm1_weight, weight_dtype)
-        check.ndim(OP, "share_gmm1_weight", share_gmm1_weight, (2, 3))
+        _same_variant(op, "share_gmm1_weight", share_gmm1_weight, weight_dtype)
+        check.ndim(op, "share_gmm1_weight", share_gmm1_weight, (2, 3))
         share_width = share_gmm1_weight.shape[-1] * pack
         if share_width % 2:
-            check.fail(OP, "share_gmm1_weight", "an even last dimension 2*Is", share_width)
+            check.fail(op, "share_gmm1_weight", "an even last dimension 2*Is", share_width)
         share_inter = share_width // 2
-        _shared_tensor("share_gmm1_weight", share_gmm1_weight, (hidden, share_width // pack))
-        _shared_tensor("share_gmm1_weight_scale", share_gmm1_weight_scale, (share_width,))
-        _same_variant("share_gmm2_weight", share_gmm2_weight, weight_dtype)
-        _shared_tensor("share_gmm2_weight", share_gmm2_weight, (share_inter, hidden // pack))
-        _shared_tensor("share_gmm2_weight_scale", share_gmm2_weight_scale, (hidden,))
-        check.dtype(OP, "share_gmm1_weight_scale", share_gmm1_weight_scale, (s1_dtype,))
-        check.dtype(OP, "share_gmm2_weight_scale", share_gmm2_weight_scale, (s2_dtype,))
+        _shared_tensor(op, "share_gmm1_weight", share_gmm1_weight, (hidden, share_width // pack))
+        _shared_tensor(op, "share_gmm1_weight_scale", share_gmm1_weight_scale, (share_width,))
+        _same_variant(op, "share_gmm2_weight", share_gmm2_weight, weight_dtype)
+        _shared_tensor(op, "share_gmm2_weight", share_gmm2_weight, (share_inter, hidden // pack))
+        _shared_tensor(op, "share_gmm2_weight_scale", share_gmm2_weight_scale, (hidden,))
+        check.dtype(op, "share_gmm1_weight_scale", share_gmm1_weight_scale, (s1_dtype,))
+        check.dtype(op, "share_gmm2_weight_scale", share_gmm2_weight_scale, (s2_dtype,))
         if w4a8:
             for (arg, bias), (width, name) in zip(share_biases.items(), ((share_width, "2Is"), (hidden, "H"))):
                 if bias is None:
-                    check.fail(OP, arg, f"the W4A8 compensation bias of the shared expert, a float32 [{name}] tensor "
+                    check.fail(op, arg, f"the W4A8 compensation bias of the shared expert, a float32 [{name}] tensor "
                                f"({name} = {width}; see cam_jit.ops.weights.w4a8_compensation_bias)", None)
-                _shared_tensor(arg, bias, (width,))
-                check.dtype(OP, arg, bias, (torch.float32,))
+                _shared_tensor(op, arg, bias, (width,))
+                check.dtype(op, arg, bias, (torch.float32,))
 
     smooth, share_smooth = expert_smooth_scales, share_smooth_scales
     if smooth is not None:
-        check.dtype(OP, "expert_smooth_scales", smooth, (torch.float32,))
-        check.shape(OP, "expert_smooth_scales", smooth, [moe_expert_num, hidden], "[moe_expert_num, H], by global expert id")
+        check.dtype(op, "expert_smooth_scales", smooth, (torch.float32,))
+        check.shape(op, "expert_smooth_scales", smooth, [moe_expert_num, hidden], "[moe_expert_num, H], by global expert id")
         if shared and share_smooth is None:
-            check.fail(OP, "share_smooth_scales", "a float32 [H] tensor when expert_smooth_scales and a shared "
+            check.fail(op, "share_smooth_scales", "a float32 [H] tensor when expert_smooth_scales and a shared "
                        "expert are given", None)
     if share_smooth is not None:
-        check.dtype(OP, "share_smooth_scales", share_smooth, (torch.float32,))
-        check.shape(OP, "share_smooth_scales", share_smooth, [hidden], "[H]")
+        check.dtype(op, "share_smooth_scales", share_smooth, (torch.float32,))
+        check.shape(op, "share_smooth_scales", share_smooth, [hidden], "[H]")
     mask = x_active_mask
     if mask is not None:
-        check.dtype(OP, "x_active_mask", mask, (torch.bool,))
-        check.shape(OP, "x_active_mask", mask, [batch], "[BS], 1-D")
+        check.dtype(op, "x_active_mask", mask, (torch.bool,))
+        check.shape(op, "x_active_mask", mask, [batch], "[BS], 1-D")
 
     tensors = {"expert_ids": expert_ids, "expert_scales": expert_scales, "expert_smooth_scales": smooth,
                "share_smooth_scales": share_smooth, "x_active_mask": mask, **shared_args, **share_biases}
     for name, items in (("gmm1_weight", gmm1_weight), ("gmm1_weight_scale", gmm1_weight_scale),
                         ("gmm2_weight", gmm2_weight), ("gmm2_weight_scale", gmm2_weight_scale),
                         ("gmm1_bias", gmm1_bias), ("gmm2_bias", gmm2_bias)):
-        tensors.update({f"{name}[{i}]": t for i, t in enumerate(items)})
+        tensors.update({name if len(items) == 1 else f"{name}[{i}]": t for i, t in enumerate(items)})
     for name, t in tensors.items():
         if t is not None:
-            check.device(OP, name, t, x.device)
+            check.device(op, name, t, x.device)
     return Layout(batch, hidden, topk, local_experts, inter, shared, share_inter, w4a8)
 
 
-def _check_expert_ids(expert_ids: torch.Tensor, experts: int) -> None:
+def _check_expert_ids(expert_ids: torch.Tensor, experts: int, op: str = OP) -> None:
     """Routed ids must lie in [-1, moe_expert_num) (docs/semantics.md §1.7; upstream leaves >= E undefined)."""
     if expert_ids.numel() == 0:
         return
@@ -252,7 +276,7 @@ def _check_expert_ids(expert_ids: torch.Tensor, experts: int) -> None:
     low, high = int(low), int(high)
     if low < -1 or high >= experts:
         bad = low if low < -1 else high
-        check.fail(OP, "expert_ids", f"values in [-1, {experts}) (-1 skips a slot; moe_expert_num = {experts})",
+        check.fail(op, "expert_ids", f"values in [-1, {experts}) (-1 skips a slot; moe_expert_num = {experts})",
                    f"a value {bad} (min {low}, max {high})")
 
 

@@ -107,14 +107,15 @@ def _logical_width(args: Dict[str, object], arg: str) -> int:
 
 
 def check_attributes(args: Dict[str, object]) -> None:
-    """§7.5 item 3 (attributes), with the [doc] quant_mode and group_ep rules."""
+    """§7.5 item 3 (attributes), with the [doc] quant_mode and group_ep rules (the group name only
+    matters with ep_rank_size > 1: one rank communicates with nobody)."""
     experts = args["moe_expert_num"]
     if experts > MAX_EXPERTS:
         _fail("moe_expert_num", f"moeExpertNum must <= {MAX_EXPERTS}.", f"moe_expert_num = {experts}")
     if args["quant_mode"] != 0:
         _fail("quant_mode", "quantMode must be 0 (reserved).", f"quant_mode = {args['quant_mode']}", doc=True)
     name = args["group_ep"]
-    if not 0 < len(name) < GROUP_NAME_MAX:
+    if args["ep_rank_size"] > 1 and not 0 < len(name) < GROUP_NAME_MAX:
         _fail("group_ep", f"the group name length must be in (0, {GROUP_NAME_MAX}) (an HCCL communicator name; "
               "pass the ProcessGroup or its group_name)", f"length {len(name)}: {name[:32]!r}", doc=True)
 

@@ -53,12 +53,19 @@ def resolve_group(op: str, name: str, rank_size: int, rank_id: int, size_arg: st
             except (RuntimeError, AttributeError):
                 group = None
     if group is None:
-        known = sorted(set(_REGISTERED) | ({"world"} if dist.is_available() and dist.is_initialized() else set()))
+        initialized = dist.is_available() and dist.is_initialized()
+        if not initialized:
+            raise ValueError(
+                f"{op}: argument 'group_ep': expected a process group for {size_arg} = {rank_size} ranks, got "
+                f"{name!r} but torch.distributed is not initialized in this process: call "
+                "torch.distributed.init_process_group(...) on every rank first (\"\" then names the default "
+                "group), or pass a ProcessGroup"
+                + ("; with ep_rank_size = 1 no process group is needed" if size_arg == "ep_rank_size" else "")
+            )
+        known = sorted(set(_REGISTERED) | {""})
         raise ValueError(
-            f"{op}: argument 'group_ep': expected the name of a torch.distributed process group "
-            f"(ProcessGroup.group_name, a name given to cam_jit.register_group, or 'world'; known here: {known}), "
-            f"got {name!r}"
-            + ("" if dist.is_available() and dist.is_initialized() else " (torch.distributed is not initialized)")
+            f"{op}: argument 'group_ep': expected a process group, its ProcessGroup.group_name, a name given to "
+            f"cam_jit.register_group, or \"\" for the default group (known here: {known}), got {name!r}"
         )
     size = dist.get_world_size(group)
     if size != rank_size:

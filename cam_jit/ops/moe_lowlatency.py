@@ -25,14 +25,14 @@ from cam_jit.ops.groups import group_ep_name, resolve_group
 
 DISPATCH = OpInfo(
     "moe_dispatch_lowlatency",
-    "(Tensor x, Tensor expert_ids, Tensor? scales, Tensor? x_active_mask, str group_ep, int ep_world_size, "
+    "(Tensor x, Tensor expert_ids, Tensor? scales, Tensor? x_active_mask, str group_ep, int ep_rank_size, "
     "int ep_rank_id, int moe_expert_num, int quant_mode, int global_bs) -> (Tensor expand_x, Tensor dynamic_scales, "
     "Tensor assist_info_for_combine, Tensor expert_token_nums, Tensor ep_recv_count)",
 )
 COMBINE = OpInfo(
     "moe_combine_lowlatency",
     "(Tensor expand_x, Tensor expert_ids, Tensor assist_info_for_combine, Tensor ep_send_counts, "
-    "Tensor expert_scales, Tensor? x_active_mask, str group_ep, int ep_world_size, int ep_rank_id, "
+    "Tensor expert_scales, Tensor? x_active_mask, str group_ep, int ep_rank_size, int ep_rank_id, "
     "int moe_expert_num, int global_bs) -> Tensor",
 )
 DISPATCH_OP, COMBINE_OP = DISPATCH.name, COMBINE.name
@@ -56,15 +56,15 @@ def _rows_capacity(op: str, batch: int, topk: int, ranks: int, local_experts: in
     """A, the rows of expand_x; checks BS <= global_bs / R."""
     max_bs = global_bs // ranks if global_bs else batch
     if batch > max_bs:
-        check.fail(op, "global_bs", f">= BS * ep_world_size = {batch * ranks} (BS = {batch} tokens here)", global_bs)
+        check.fail(op, "global_bs", f">= BS * ep_rank_size = {batch * ranks} (BS = {batch} tokens here)", global_bs)
     return max_bs * ranks * min(topk, local_experts)
 
 
-def _validate_dispatch(x, expert_ids, scales, x_active_mask, group_ep, ep_world_size, ep_rank_id, moe_expert_num,
+def _validate_dispatch(x, expert_ids, scales, x_active_mask, group_ep, ep_rank_size, ep_rank_id, moe_expert_num,
                        quant_mode, global_bs) -> Tuple[int, int]:
     """Returns (E_loc, A)."""
     op = DISPATCH_OP
-    local_experts = check.expert_parallel(op, "ep_world_size", ep_world_size, ep_rank_id, moe_expert_num, global_bs)
+    local_experts = check.expert_parallel(op, "ep_rank_size", ep_rank_size, ep_rank_id, moe_expert_num, global_bs)
     if quant_mode not in QUANT_MODES:
         check.fail(op, "quant_mode", " or ".join(f"{k} ({v})" for k, v in QUANT_MODES.items()), quant_mode)
     check.ndim(op, "x", x, 2)
@@ -77,11 +77,11 @@ def _validate_dispatch(x, expert_ids, scales, x_active_mask, group_ep, ep_world_
         check.dtype(op, "scales", scales, (torch.float32,))
         check.shape(op, "scales", scales, [moe_expert_num, hidden], "[moe_expert_num, H] smooth scales")
         check.device(op, "scales", scales, x.device)
-    capacity = _rows_capacity(op, batch, expert_ids.shape[1], ep_world_size, local_experts, global_bs)
+    capacity = _rows_capacity(op, batch, expert_ids.shape[1], ep_rank_size, local_experts, global_bs)
     return local_experts, capacity
 
 
-def _dispatch_fake(x, expert_ids, scales, x_active_mask, group_ep, ep_world_size, ep_rank_id, moe_expert_num,
+def _dispatch_fake(x, expert_ids, scales, x_active_mask, group_ep, ep_rank_size, ep_rank_id, moe_expert_num,
                    quant_mode, global_bs):
     local_experts, capacity = _validate_dispatch(**locals())
     return (
@@ -89,7 +89,7 @@ def _dispatch_fake(x, expert_ids, scales, x_active_mask, group_ep, ep_world_size
         x.new_empty((capacity,), dtype=torch.float32),
         x.new_empty((capacity, ASSIST_FIELDS), dtype=torch.int32),
         x.new_empty((local_experts,), dtype=torch.int64),
-        x.new_empty((local_experts * ep_world_size,), dtype=torch.int32),
+        x.new_empty((local_experts * ep_rank_size,), dtype=torch.int32),
     )
 
 
@@ -100,13 +100,13 @@ def _check_ids(op: str, expert_ids: torch.Tensor, experts: int) -> None:
             check.fail(op, "expert_ids", f"values in [-1, {experts}) (-1 skips a slot)", f"min {low}, max {high}")
 
 
-def _dispatch_cpu(x, expert_ids, scales, x_active_mask, group_ep, ep_world_size, ep_rank_id, moe_expert_num,
+def _dispatch_cpu(x, expert_ids, scales, x_active_mask, group_ep, ep_rank_size, ep_rank_id, moe_expert_num,
                   quant_mode, global_bs):
     local_experts, capacity = _validate_dispatch(**locals())
     op = DISPATCH_OP
     active = x.shape[0] if x_active_mask is None else int(x_active_mask.sum())
     _check_ids(op, expert_ids[:active], moe_expert_num)
-    group = resolve_group(op, group_ep, ep_world_size, ep_rank_id) if ep_world_size > 1 else None
+    group = resolve_group(op, group_ep, ep_rank_size, ep_rank_id) if ep_rank_size > 1 else None
     route = _moe_cpu.plan_route(op, expert_ids, active, local_experts, group)
     if quant_mode == 2:
         rows, scale = cpu_kernels().quantize_rows(x, scales, route.token, route.expert if scales is not None else None)
@@ -131,15 +131,15 @@ def _dispatch_cpu(x, expert_ids, scales, x_active_mask, group_ep, ep_world_size,
     assist[:count, 1] = torch.div(received.source_pos[order], topk, rounding_mode="floor").to(torch.int32)
     assist[:count, 2] = received.source_pos[order].remainder(topk).to(torch.int32)
     expert_token_nums = torch.bincount(received.local_expert, minlength=local_experts)
-    per_expert_source = torch.bincount(received.local_expert * ep_world_size + received.source_rank,
-                                       minlength=local_experts * ep_world_size)
+    per_expert_source = torch.bincount(received.local_expert * ep_rank_size + received.source_rank,
+                                       minlength=local_experts * ep_rank_size)
     return expand_x, dynamic_scales, assist, expert_token_nums, torch.cumsum(per_expert_source, 0).to(torch.int32)
 
 
 def _validate_combine(expand_x, expert_ids, assist_info_for_combine, ep_send_counts, expert_scales, x_active_mask,
-                      group_ep, ep_world_size, ep_rank_id, moe_expert_num, global_bs) -> None:
+                      group_ep, ep_rank_size, ep_rank_id, moe_expert_num, global_bs) -> None:
     op = COMBINE_OP
-    local_experts = check.expert_parallel(op, "ep_world_size", ep_world_size, ep_rank_id, moe_expert_num, global_bs)
+    local_experts = check.expert_parallel(op, "ep_rank_size", ep_rank_size, ep_rank_id, moe_expert_num, global_bs)
     check.ndim(op, "expand_x", expand_x, 2)
     check.dtype(op, "expand_x", expand_x, (torch.bfloat16, torch.float16))
     check.ndim(op, "expert_ids", expert_ids, 2)
@@ -147,14 +147,14 @@ def _validate_combine(expand_x, expert_ids, assist_info_for_combine, ep_send_cou
     _check_routing(op, expert_ids, x_active_mask, batch, expand_x.device)
     check.dtype(op, "expert_scales", expert_scales, (torch.float32,))
     check.shape(op, "expert_scales", expert_scales, [batch, topk], "the shape of expert_ids")
-    capacity = _rows_capacity(op, batch, topk, ep_world_size, local_experts, global_bs)
+    capacity = _rows_capacity(op, batch, topk, ep_rank_size, local_experts, global_bs)
     check.shape(op, "expand_x", expand_x, [capacity, expand_x.shape[1]],
                 f"[A, H], A = (global_bs / R) * R * min(K, E_loc) = {capacity}")
     check.dtype(op, "assist_info_for_combine", assist_info_for_combine, (torch.int32,))
     check.shape(op, "assist_info_for_combine", assist_info_for_combine, [capacity, ASSIST_FIELDS],
                 "from moe_dispatch_lowlatency")
     check.dtype(op, "ep_send_counts", ep_send_counts, (torch.int32,))
-    check.shape(op, "ep_send_counts", ep_send_counts, [local_experts * ep_world_size],
+    check.shape(op, "ep_send_counts", ep_send_counts, [local_experts * ep_rank_size],
                 "[E_loc * R], ep_recv_count from moe_dispatch_lowlatency")
     for name, t in (("assist_info_for_combine", assist_info_for_combine), ("ep_send_counts", ep_send_counts),
                     ("expert_scales", expert_scales)):
@@ -162,13 +162,13 @@ def _validate_combine(expand_x, expert_ids, assist_info_for_combine, ep_send_cou
 
 
 def _combine_fake(expand_x, expert_ids, assist_info_for_combine, ep_send_counts, expert_scales, x_active_mask,
-                  group_ep, ep_world_size, ep_rank_id, moe_expert_num, global_bs):
+                  group_ep, ep_rank_size, ep_rank_id, moe_expert_num, global_bs):
     _validate_combine(**locals())
     return expand_x.new_empty((expert_ids.shape[0], expand_x.shape[1]))
 
 
 def _combine_cpu(expand_x, expert_ids, assist_info_for_combine, ep_send_counts, expert_scales, x_active_mask,
-                 group_ep, ep_world_size, ep_rank_id, moe_expert_num, global_bs):
+                 group_ep, ep_rank_size, ep_rank_id, moe_expert_num, global_bs):
     _validate_combine(**locals())
     op = COMBINE_OP
     batch, topk = expert_ids.shape
@@ -178,14 +178,14 @@ def _combine_cpu(expand_x, expert_ids, assist_info_for_combine, ep_send_counts, 
     source = assist_info_for_combine[:count, 0].to(torch.int64)
     pos = (assist_info_for_combine[:count, 1].to(torch.int64) * topk
            + assist_info_for_combine[:count, 2].to(torch.int64))
-    if count and (int(source.min()) < 0 or int(source.max()) >= ep_world_size):
-        check.fail(op, "assist_info_for_combine", f"source ranks in [0, {ep_world_size})",
+    if count and (int(source.min()) < 0 or int(source.max()) >= ep_rank_size):
+        check.fail(op, "assist_info_for_combine", f"source ranks in [0, {ep_rank_size})",
                    f"min {int(source.min())}, max {int(source.max())}")
     order = torch.sort(source, stable=True).indices
     rows, pos = expand_x[:count][order], pos[order]
-    if ep_world_size > 1:
-        group = resolve_group(op, group_ep, ep_world_size, ep_rank_id)
-        send_counts = torch.bincount(source, minlength=ep_world_size)
+    if ep_rank_size > 1:
+        group = resolve_group(op, group_ep, ep_rank_size, ep_rank_id)
+        send_counts = torch.bincount(source, minlength=ep_rank_size)
         recv_counts = _exchange.exchange_counts(send_counts, group, op)
         rows, pos = _moe_cpu.exchange_columns(op, "result combine", group, [rows, pos],
                                               send_counts.tolist(), recv_counts.tolist())
@@ -211,11 +211,12 @@ def moe_dispatch_lowlatency(
     x_active_mask: Optional[torch.Tensor] = None,
     *,
     group_ep: GroupEp,
-    ep_world_size: int,
+    ep_rank_size: Optional[int] = None,
     ep_rank_id: int,
     moe_expert_num: int,
     quant_mode: int = 2,
     global_bs: int = 0,
+    ep_world_size: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sends each routed (token, k) pair to the rank owning expert_ids[t, k].
 
@@ -223,7 +224,8 @@ def moe_dispatch_lowlatency(
         x: [BS, H] bfloat16/float16 tokens. expert_ids: [BS, K] int32 in [-1, E); -1 skips.
         scales: optional [E, H] float32 smooth-quant factors by global expert (quant_mode 2).
         x_active_mask: optional [BS] bool; the first sum(mask) tokens are dispatched.
-        group_ep, ep_world_size (R), ep_rank_id, moe_expert_num (E): as fused_deep_moe.
+        group_ep, ep_rank_size (R), ep_rank_id, moe_expert_num (E): as fused_deep_moe.
+        ep_world_size: torch_npu's name for ep_rank_size, accepted as a keyword alias.
         quant_mode: 2 quantises each row to int8 (docs/semantics.md §1.8 step 1), 0 sends x.dtype rows.
         global_bs: 0 (equal batches) or max_r(BS_r) * R; sizes the outputs.
 
@@ -234,11 +236,12 @@ def moe_dispatch_lowlatency(
         expert_token_nums [E_loc] int64: rows per local expert;
         ep_recv_count [E_loc * R] int32: cumulative rows per (local expert, source rank).
     """
+    ep_rank_size = check.keyword_alias(DISPATCH_OP, "ep_rank_size", ep_rank_size, "ep_world_size", ep_world_size)
     check.argument_types(DISPATCH_OP, {"x": x, "expert_ids": expert_ids}, {"scales": scales, "x_active_mask": x_active_mask},
-                 {"ep_world_size": ep_world_size, "ep_rank_id": ep_rank_id, "moe_expert_num": moe_expert_num,
+                 {"ep_rank_size": ep_rank_size, "ep_rank_id": ep_rank_id, "moe_expert_num": moe_expert_num,
                   "quant_mode": quant_mode, "global_bs": global_bs})
     return tuple(torch.ops.cam_jit.moe_dispatch_lowlatency(
-        x, expert_ids, scales, x_active_mask, group_ep_name(DISPATCH_OP, group_ep), ep_world_size, ep_rank_id,
+        x, expert_ids, scales, x_active_mask, group_ep_name(DISPATCH_OP, group_ep), ep_rank_size, ep_rank_id,
         moe_expert_num, quant_mode, global_bs))
 
 
@@ -251,10 +254,11 @@ def moe_combine_lowlatency(
     x_active_mask: Optional[torch.Tensor] = None,
     *,
     group_ep: GroupEp,
-    ep_world_size: int,
+    ep_rank_size: Optional[int] = None,
     ep_rank_id: int,
     moe_expert_num: int,
     global_bs: int = 0,
+    ep_world_size: Optional[int] = None,
 ) -> torch.Tensor:
     """Sends expert results back to their tokens and combines them.
 
@@ -264,18 +268,20 @@ def moe_combine_lowlatency(
         assist_info_for_combine: [A, 3] int32 and ep_send_counts: [E_loc * R] int32, the
             dispatch's assist_info_for_combine and ep_recv_count.
         expert_scales: [BS, K] float32 combine weights. x_active_mask: as dispatched.
-        group_ep, ep_world_size, ep_rank_id, moe_expert_num, global_bs: as dispatched.
+        group_ep, ep_rank_size, ep_rank_id, moe_expert_num, global_bs: as dispatched
+            (ep_world_size: a keyword alias of ep_rank_size).
 
     Returns:
         [BS, H] expand_x.dtype: sum over k ascending of expert_scales[t, k] * result, in float32,
         rounded once; inactive rows zero.
     """
+    ep_rank_size = check.keyword_alias(COMBINE_OP, "ep_rank_size", ep_rank_size, "ep_world_size", ep_world_size)
     check.argument_types(COMBINE_OP, {"expand_x": expand_x, "expert_ids": expert_ids,
                               "assist_info_for_combine": assist_info_for_combine,
                               "ep_send_counts": ep_send_counts, "expert_scales": expert_scales},
                  {"x_active_mask": x_active_mask},
-                 {"ep_world_size": ep_world_size, "ep_rank_id": ep_rank_id, "moe_expert_num": moe_expert_num,
+                 {"ep_rank_size": ep_rank_size, "ep_rank_id": ep_rank_id, "moe_expert_num": moe_expert_num,
                   "global_bs": global_bs})
     return torch.ops.cam_jit.moe_combine_lowlatency(
         expand_x, expert_ids, assist_info_for_combine, ep_send_counts, expert_scales, x_active_mask,
-        group_ep_name(COMBINE_OP, group_ep), ep_world_size, ep_rank_id, moe_expert_num, global_bs)
+        group_ep_name(COMBINE_OP, group_ep), ep_rank_size, ep_rank_id, moe_expert_num, global_bs)

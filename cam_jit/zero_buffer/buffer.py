@@ -216,7 +216,7 @@ class FusedDeepMoeBuffer:
             args = _arguments(locals())
             layout = _check_call(args, heap.rank, heap.num_ranks, heap.memsize, strict)
             active = layout.batch if x_active_mask is None else int(x_active_mask.sum())
-            _check_expert_ids(expert_ids[:active], moe_expert_num)
+            _check_expert_ids(expert_ids[:active], moe_expert_num, OP)
             return _run(transport, args, layout, active)
         except BaseException as err:
             transport.abandon(err, _INVALID)
@@ -233,9 +233,9 @@ def _check_call(args: dict, rank: int, num_ranks: int, memsize: int, strict: Opt
         check.fail(OP, arg, f"{want} (init's {'num_ranks' if arg == 'ep_rank_size' else 'rank'})", got)
     weights = args["gmm1_weight"]
     if weights and weights[0].dtype != torch.int8:
-        check.fail(OP, "gmm1_weight[0]", "dtype int8: the zero buffer is W8A8 only (docs/semantics.md §5.1)",
+        check.fail(OP, "gmm1_weight" if len(weights) == 1 else "gmm1_weight[0]", "dtype int8: the zero buffer is W8A8 only (docs/semantics.md §5.1)",
                    check.dtype_name(weights[0].dtype), TypeError)
-    layout = validate(**args)
+    layout = validate(**args, op=OP)
     if strict_enabled(strict):
         _strict.check(OP, args, layout, memsize - EXT_INFO_BYTES)
     return layout
