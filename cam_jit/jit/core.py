@@ -38,6 +38,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from cam_jit.jit import env, log, toolchain
 from cam_jit.jit.backends import backend_spec, default_backend
 from cam_jit.jit.errors import BuildError, CacheMissError, JitError, ToolchainError
+from cam_jit.jit.progress import BuildProgress
 from cam_jit.jit.spec import (CACHE_FORMAT, BuildSpec, compiler_inputs, compiler_key,
                               content_inputs, digest, file_digests)
 
@@ -285,7 +286,7 @@ def _build(spec: BuildSpec, entry: Path, inputs: Dict[str, Any], compiler: Dict[
         from torch.utils import cpp_extension
 
         try:
-            with toolchain.ninja_on_path(ninja):
+            with toolchain.ninja_on_path(ninja), BuildProgress(tmp, spec.backend):
                 built = Path(cpp_extension.load(
                     name=spec.name, sources=[str(p) for p in spec.sources],
                     extra_cflags=list(spec.cflags), extra_ldflags=list(spec.ldflags),
