@@ -160,6 +160,9 @@ def _opp(args: argparse.Namespace) -> int:
             for vendor in opp_install.install_run(args.package, args.dir):
                 print(f"installed {vendor}; activate with: {opp_install.activation(vendor)}")
             return 0
+        hint = opp_install.run_only_hint(args.tree, args.build_args)
+        if hint:
+            print(f"cam_jit: note: {hint}", file=sys.stderr)
         runs = opp_install.build_from_source(args.tree, args.build_args)
         for run in runs:
             print(f"built {run}")

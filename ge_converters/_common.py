@@ -14,7 +14,7 @@ import torch
 import torchair
 from torchair.ge import DataType, attr
 
-from cam_jit.ascend import registry
+from cam_jit.ascend import hccl, registry
 from cam_jit.ops import _checks as check
 
 _CONSTANT_NOTE = ("a graph attribute, so a Python {kind} fixed at trace time (a value computed from a "
@@ -34,6 +34,19 @@ def str_attr(op: str, arg: str, value: object) -> "attr.Str":
     if not isinstance(value, str):
         check.fail(op, arg, _CONSTANT_NOTE.format(kind="str"), type(value).__name__, TypeError)
     return attr.Str(value)
+
+
+def group_attr(op: str, group_ep: object) -> "attr.Str":
+    """GE String attribute ``group_ep``: the HCCL communicator name of the group the schema's
+    ``group_ep`` names (a string that names no torch process group passes through)."""
+    str_attr(op, "group_ep", group_ep)
+    return attr.Str(hccl.comm_name(op, group_ep))
+
+
+def rows(tensor: "torchair.ge.Tensor") -> object:
+    """The first dimension of a GE tensor at trace time (an int, a SymInt if dynamic, or None)."""
+    size = tensor.symsize
+    return size[0] if size else None
 
 
 def ge_op_type(registry_op: str) -> str:

@@ -24,7 +24,7 @@ from torchair.ge import DataType
 from cam_jit.ascend import discover, opp, registry
 from cam_jit.ops import _checks as check
 
-from ._common import int_attr, node, str_attr
+from ._common import group_attr, int_attr, node
 
 OP = "fused_deep_moe"
 OUTPUTS = ("output", "share_output", "expert_token_nums")
@@ -75,7 +75,7 @@ def convert_fused_deep_moe(
                 check.fail(OP, name, f"empty/None with int8 (W8A8) weights: GE FusedDeepMoe ({abi}) has no "
                            "bias inputs", "a tensor")
     values = dict(zip(_INT_ATTRS, (ep_rank_size, ep_rank_id, moe_expert_num, quant_mode, global_bs)))
-    attrs = {"group_ep": str_attr(OP, "group_ep", group_ep)}
+    attrs = {"group_ep": group_attr(OP, group_ep)}
     attrs.update({name: int_attr(OP, name, value) for name, value in values.items()})
     if abi == "base":
         attrs.update({name: int_attr(OP, name, 0) for name in _BASE_EXTRA_ATTRS})

@@ -35,10 +35,17 @@ def T(*shape, dtype):
 # ------------------------------------------------------------------------------------------------
 # worker side (runs in the torchair processes)
 # ------------------------------------------------------------------------------------------------
+def hccl_name(group_name, rank):
+    """What the stand-in for torch_npu's HCCL backend names a group's communicator."""
+    return f"hccl:{group_name}:{rank}"
+
+
 def _install(root):
     torchair_stub.install(root)
+    from cam_jit.ascend import hccl
     from cam_jit.ops.graph import register_ge_converters
 
+    hccl.backend_comm_name = lambda group, rank: hccl_name(group.group_name, rank)  # no torch_npu here
     return register_ge_converters()
 
 
@@ -313,19 +320,44 @@ def test_e2a(air_pool):
     assert got["type"] == "E2a"
     assert got["inputs"] == [("expand_x", "expand_x:0"), ("atten_batch_size", "atten_batch_size:0")]
     attrs = {k: v for k, v in A2E_ATTRS.items() if k != "compute_gate"}
-    assert got["attrs"] == {**attrs, "rank": ("i", 2)}
+    # attention rank: batch_size is expand_x's row count, as UMDK's e2a binding passes it
+    assert got["attrs"] == {**attrs, "rank": ("i", 2), "batch_size": ("i", 3)}
     assert got["outputs"] == [("x", "DT_BF16")]  # the wrapper's forced bf16 (SPEC §2.3)
 
 
+def test_a2e_on_an_attention_rank_passes_x_rows_as_the_batch(air_pool):
+    """UMDK cam_feature src/cam/comm_operator/pybind/a2e.cpp, A2eImplNpu: on a rank >=
+    expertRankSize the batch attribute is x.size(0) (the kernel copies batch * H elements of x)."""
+    args = [T(3, H, dtype=BF16), T(3, K, dtype=I32), T(3, K, dtype=F32), 6, H, K, 1, 2, 2, "hccl_afd", 24, 1]
+    got = air_pool.run(_convert, "a2e", args)[0]
+    assert got["attrs"] == {**A2E_ATTRS, "rank": ("i", 2), "batch_size": ("i", 3)}
+
+
+def _world_group_name():
+    return dist.group.WORLD.group_name
+
+
+def test_group_names_become_hccl_communicator_names(air_pool):
+    """UMDK cam_feature src/cam/examples/a2e_e2a_sample.py (main) passes
+    group._get_backend(torch.device("npu")).get_hccl_comm_name(rank) as group_ep; the converters
+    resolve a torch group name ("" = the default group) to that name at trace time."""
+    world = air_pool.run(_world_group_name)[0]
+    for given in ("", world):
+        args = [T(3, H, dtype=FP16), T(2, dtype=I32), 6, H, K, 1, 1, 1, given, 24]
+        got = air_pool.run(_convert, "e2a", args)[0]
+        assert got["attrs"]["group_ep"] == ("s", hccl_name(world, 0))
+
+
 def test_attributes_must_be_graph_constants(air_pool):
-    args = [T(3, H, dtype=BF16), T(2, dtype=I32), 6, H, K, 1, 2, 2, "hccl_afd", 24]
-    # a dynamic-shape int reaches the converter as a graph tensor
+    args = [T(6, H, dtype=BF16), T(2, dtype=I32), 6, H, K, 1, 2, 0, "hccl_afd", 24]
+    # a dynamic-shape int reaches the converter as a graph tensor (on an expert rank, which uses it)
     error = air_pool.run(_converter_error, "e2a", args, None, {2: T(1, dtype=I32)})
     assert error[0].startswith("TypeError: e2a: argument 'batch_size': expected a graph attribute")
 
 
 def test_compiled_fused_deep_moe_builds_the_ge_node(air_pool, tmp_path):
-    for same, nodes, data in air_pool.run(_compile_and_dump, "fused_deep_moe", str(tmp_path)):
+    dist_world_name = air_pool.run(_world_group_name)[0]
+    for rank, (same, nodes, data) in enumerate(air_pool.run(_compile_and_dump, "fused_deep_moe", str(tmp_path))):
         assert same
         (fdm,) = [n for n in nodes if n["type"] == "FusedDeepMoe"]
         index = {name: data[src.split(":")[0]] for name, src in fdm["inputs"] if src}
@@ -333,7 +365,8 @@ def test_compiled_fused_deep_moe_builds_the_ge_node(air_pool, tmp_path):
         assert index == {"x": 0, "expert_ids": 1, "gmm1_weight0": 3, "gmm1_weight_scale0": 4,
                          "gmm2_weight0": 5, "gmm2_weight_scale0": 6, "expert_scales": 2}
         assert [src for _, src in fdm["inputs"][7:]] == [""] * 7
-        assert fdm["attrs"]["group_ep"] == ("s", "") and fdm["attrs"]["moe_expert_num"] == ("i", E)
+        assert fdm["attrs"]["group_ep"] == ("s", hccl_name(dist_world_name, rank))
+        assert fdm["attrs"]["moe_expert_num"] == ("i", E)
         assert fdm["outputs"] == FDM_OUTPUTS
 
 

@@ -92,6 +92,7 @@ typedef struct aclshmemx_init_attr_t {
   void* comm_args = nullptr; uint64_t instance_id = 0;
 } aclshmemx_init_attr_t;
 extern "C" {
+int32_t aclshmemx_set_conf_store_tls(bool enable, const char* tls_info, const uint32_t tls_info_len);
 int aclshmemx_init_attr(aclshmemx_bootstrap_t bootstrap_flags, aclshmemx_init_attr_t* attributes);
 int aclshmemx_init_status(void);
 MALLOC

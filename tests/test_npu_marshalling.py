@@ -9,73 +9,29 @@ namespace ``_cam_jit_npu_test``, and driven through cam_jit.ascend.npu_ops' Priv
 functions or the private ops directly. The assertions restate SPEC.md §7.1/§7.2 by hand.
 """
 import ctypes
-import json
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
-from cam_jit import jit
 from cam_jit.ascend import npu_ops, registry
+from npu_sim.standin import STREAM, Sim, build_harness, build_sim
 
-REPO = Path(__file__).resolve().parents[1]
-WRAPPERS = REPO / "wrappers"
-SIM_DIR = REPO / "tests" / "npu_sim"
-NS = "_cam_jit_npu_test"
-STREAM = 0x5EED  # test_runtime.cpp's stream sentinel
 BF16, F32, INT8, INT32, INT64, BOOL = 27, 0, 2, 3, 9, 12  # aclDataType, acl_base.h
 ND, NZ = 2, 29  # aclFormat
 
 
-class Sim:
-    """One build of the simulated opapi, with its control functions."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.lib = ctypes.CDLL(str(path))
-        self.lib.sim_log.restype = ctypes.c_char_p
-        self.lib.sim_live_handles.restype = ctypes.c_long
-        self.lib.sim_set_workspace.argtypes = [ctypes.c_uint64]
-        self.lib.sim_reset()
-
-    def calls(self):
-        return [json.loads(line) for line in self.lib.sim_log().decode().splitlines()]
-
-    def live(self) -> int:
-        return self.lib.sim_live_handles()
-
-
 @pytest.fixture(scope="module")
 def sims(tmp_path_factory):
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler (cc) to build the simulated opapi")
     out = tmp_path_factory.mktemp("sim")
     variants = {"base": ["-DSIM_FDM_ABI=0"], "w4a8": ["-DSIM_FDM_ABI=1"],
                 "master": ["-DSIM_FDM_ABI=2"], "api_only": ["-DSIM_TENSOR_API_ONLY"]}
-    paths = {}
-    for name, flags in variants.items():
-        paths[name] = out / f"libsim_{name}.so"
-        subprocess.run([cc, "-shared", "-fPIC", "-O1", *flags, "-o", str(paths[name]),
-                        str(SIM_DIR / "sim_opapi.c")], check=True, capture_output=True)
-    return {name: Sim(path) for name, path in paths.items()}
+    return {name: Sim(build_sim(out, name, *flags)) for name, flags in variants.items()}
 
 
 @pytest.fixture(scope="module")
 def harness():
     """The wrapper library built for tests (cached by the JIT engine like any backend)."""
-    sources = [p for p in sorted(WRAPPERS.glob("*.cpp")) if p.name != "npu_runtime.cpp"]
-    spec = jit.BuildSpec(backend="npu_sim", name="cam_jit_npu_test", root=REPO,
-                         sources=(*sources, SIM_DIR / "test_runtime.cpp"),
-                         headers=tuple(sorted(WRAPPERS.glob("*.h"))), include_dirs=(WRAPPERS,),
-                         cflags=("-O0", f"-DCAM_JIT_NPU_NS={NS}"), ldflags=("-ldl",))
-    loaded = jit.load_spec(spec)
-    lib = ctypes.CDLL(str(loaded.library))
-    lib.cam_jit_test_set_storage_format.argtypes = [
-        ctypes.c_size_t, ctypes.c_int32, ctypes.POINTER(ctypes.c_int64), ctypes.c_uint64]
-    return getattr(torch.ops, NS), lib
+    return build_harness()
 
 
 @pytest.fixture
@@ -163,14 +119,15 @@ def check_outputs(rec, outputs, dtypes):
 
 
 def test_fused_deep_moe_base_abi_arrives_in_spec_order(sims, bound):
-    bind, _, _ = bound
+    """The base prototype as FusedDeepMoeBuffer calls it: the private op with the SHMEM attributes."""
+    bind, ops, _ = bound
     sim = sims["base"]
     bind([sim.path], "base")
     sim.lib.sim_set_workspace(4096)
     args = w8a8_case()
-    output, share_output, nums = npu_ops.fused_deep_moe(**args)
-    assert output.shape == (3, 32) and share_output.shape == (3, 32) and nums.shape == (2,)
-    assert nums.dtype == torch.int64 and not output.any()  # zero-filled by the kernel (SPEC §8.4)
+    output, share_output = torch.zeros(3, 32, dtype=torch.bfloat16), torch.zeros(3, 32, dtype=torch.bfloat16)
+    nums = torch.zeros(2, dtype=torch.int64)
+    ops.fused_deep_moe(*args.values(), 0, 7, 8, 9, output, share_output, nums)
     ws, launch = sim.calls()
     assert ws["fn"] == "aclnnFusedDeepMoeGetWorkspaceSize"
     rec = ws["args"]
@@ -178,7 +135,7 @@ def test_fused_deep_moe_base_abi_arrives_in_spec_order(sims, bound):
     check_fdm_inputs(args, rec)
     assert rec[14] == {"kind": "str", "value": "ep_group_7"}
     # epRankSize, epRankId, moeExpertNum, quantMode, globalBs, extInfo, shmemWorkspace, shmemWorkspaceSize
-    assert ints(rec[15:23]) == [2, 1, 4, 0, 6, 0, 0, 0]
+    assert ints(rec[15:23]) == [2, 1, 4, 0, 6, 7, 8, 9]
     check_outputs(rec[23:], (output, share_output, nums), (BF16, BF16, INT64))
     assert launch == {"fn": "aclnnFusedDeepMoe", "workspace_null": 0, "workspace_size": 4096,
                       "executor_ok": 1, "stream": STREAM}
@@ -299,7 +256,8 @@ def test_e2a_arrives_in_spec_order(sims, bound):
     assert sim.calls()[0]["fn"] == "aclnnE2aGetWorkspaceSize" and len(rec) == 2 + 8 + 1
     tensor_arg(rec[0], expand_x, BF16)
     tensor_arg(rec[1], batches, INT32)
-    assert ints(rec[2:8]) == [6, 16, 2, 1, 2, 2] and rec[8]["value"] == "afd" and ints(rec[9:10]) == [8]
+    # attention rank: the batch attribute is expand_x's row count (UMDK pybind/e2a.cpp E2aImplNpu)
+    assert ints(rec[2:8]) == [3, 16, 2, 1, 2, 2] and rec[8]["value"] == "afd" and ints(rec[9:10]) == [8]
     tensor_arg(rec[10], out, BF16)
 
 
@@ -462,8 +420,8 @@ def test_w8a8_weights_must_be_fractal_nz_on_the_npu(sims, bound, monkeypatch):
     """SPEC.md §1.15: the kernel reads int8 weights as FRACTAL_NZ; an ND one is refused with the
     conversion to make (the format is read from torch_npu, faked here)."""
     bind, _, _ = bound
-    sim = sims["base"]
-    bind([sim.path], "base")
+    sim = sims["master"]
+    bind([sim.path], "master")
     args = w8a8_case(shared=False)
     nz_storage = {t.untyped_storage().data_ptr() for t in args["gmm1_weight"] + args["gmm2_weight"]}
     monkeypatch.setattr(npu_ops, "npu_format",

@@ -111,7 +111,7 @@ def source_tree(tmp_path):
 def test_build_needs_cann_and_a_build_script(source_tree, tmp_path):
     with pytest.raises(opp_install.OppError, match="cannot build the opp package in .*CANN not found"):
         opp_install.build_from_source(source_tree)
-    with pytest.raises(opp_install.OppError, match="no build.sh in it"):
+    with pytest.raises(opp_install.OppError, match="neither build/cam/build.sh nor build.sh in it"):
         opp_install.build_from_source(tmp_path)
 
 

@@ -59,7 +59,7 @@ def test_init_call_and_close_go_through_shmem_and_the_base_kernel(library, monke
     buf = FusedDeepMoeBuffer()
     buf.init(0, 2, MEMSIZE, ADDRESS, device="npu")
     buf.init(0, 2, MEMSIZE, ADDRESS, device="npu")  # silent no-op
-    assert library.calls == [("init", (0, 2, MEMSIZE, ADDRESS))]
+    assert library.calls == [("init", (0, 2, MEMSIZE, ADDRESS, ""))]
     assert buf.is_initialized() and (buf.get_ext_info(), buf.get_shmem_workspace()) == (EXT_INFO, WORKSPACE)
 
     kw, positional = case()

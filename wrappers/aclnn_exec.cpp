@@ -68,6 +68,32 @@ std::pair<void*, std::string> find_symbol(const std::string& symbol) {
   return {nullptr, ""};
 }
 
+// aclGetRecentErrMsg: from the configured libraries, else the process's global namespace, else
+// CANN's libascendcl.so (where CANN defines it; the opapi libraries need not export it).
+RecentErrMsgFn recent_error_function() {  // caller holds g_mutex
+  const char* name = "aclGetRecentErrMsg";
+  void* p = find_symbol(name).first;
+  if (!p) p = dlsym(RTLD_DEFAULT, name);
+  if (!p) {
+    static void* ascendcl = dlopen("libascendcl.so", RTLD_NOW | RTLD_LOCAL);
+    if (ascendcl) p = dlsym(ascendcl, name);
+  }
+  return reinterpret_cast<RecentErrMsgFn>(p);
+}
+
+[[noreturn]] void fail_status(const std::string& op, const std::string& function,
+                              const std::string& library, AclStatus status) {
+  const char* detail = g_api.recent_error ? g_api.recent_error() : nullptr;
+  std::string where;
+  {
+    std::lock_guard<std::mutex> guard(g_mutex);
+    where = searched();
+  }
+  TORCH_CHECK(false, "cam_jit NPU op ", op, ": aclnn function ", function, " returned status ",
+              status, " (library ", library, "; ", where, ")",
+              detail && *detail ? std::string("; CANN says: ") + detail : std::string());
+}
+
 template <typename Fn>
 Fn required(const std::string& op, const char* name) {
   void* p = find_symbol(name).first;
@@ -86,7 +112,7 @@ const TensorApi& api(const std::string& op) {
     a.create_list = required<CreateTensorListFn>(op, "aclCreateTensorList");
     a.destroy = required<DestroyTensorFn>(op, "aclDestroyTensor");
     a.destroy_list = required<DestroyTensorListFn>(op, "aclDestroyTensorList");
-    a.recent_error = reinterpret_cast<RecentErrMsgFn>(find_symbol("aclGetRecentErrMsg").first);
+    a.recent_error = recent_error_function();
     a.destroy_executor =
         reinterpret_cast<DestroyExecutorFn>(find_symbol("aclDestroyAclOpExecutor").first);
     g_api = a;
@@ -135,11 +161,15 @@ int32_t acl_dtype(const std::string& op, const std::string& arg, c10::ScalarType
 AclnnCall::AclnnCall(std::string op, const at::Tensor& device_like)
     : op_(std::move(op)), like_(device_like) {}
 
-AclnnCall::~AclnnCall() {
-  if (tensors_.empty() && lists_.empty()) return;
+AclnnCall::~AclnnCall() = default;
+
+void AclnnCall::Handles::release() {
+  if (tensors.empty() && lists.empty()) return;
   const TensorApi& a = g_api;  // resolved: handles exist only after api() succeeded
-  for (AclTensorList* l : lists_) a.destroy_list(l);
-  for (AclTensor* t : tensors_) a.destroy(t);
+  for (AclTensorList* l : lists) a.destroy_list(l);
+  for (AclTensor* t : tensors) a.destroy(t);
+  lists.clear();
+  tensors.clear();
 }
 
 AclTensor* AclnnCall::make(const std::string& arg, const at::Tensor& t) {
@@ -160,7 +190,7 @@ AclTensor* AclnnCall::make(const std::string& arg, const at::Tensor& t) {
 const AclTensor* AclnnCall::tensor(const std::string& arg, const at::Tensor& t) {
   TORCH_CHECK(t.defined(), "cam_jit NPU op ", op_, ": argument '", arg, "' is undefined");
   AclTensor* handle = make(arg, t);
-  tensors_.push_back(handle);
+  handles_->tensors.push_back(handle);
   return handle;
 }
 
@@ -186,7 +216,7 @@ const AclTensorList* AclnnCall::list(const std::string& arg, at::TensorList ts) 
     TORCH_CHECK(false, "cam_jit NPU op ", op_, ": aclCreateTensorList failed for argument '",
                 arg, "' (", ts.size(), " tensors)");
   }
-  lists_.push_back(handle);
+  handles_->lists.push_back(handle);
   return handle;
 }
 
@@ -216,11 +246,7 @@ void AclnnCall::resolve() {
 }
 
 void AclnnCall::check(AclStatus status, const std::string& function) {
-  if (status == 0) return;
-  const char* detail = g_api.recent_error ? g_api.recent_error() : nullptr;
-  TORCH_CHECK(false, "cam_jit NPU op ", op_, ": aclnn function ", function,
-              " returned status ", status, " (library ", library_, "; ", searched(), ")",
-              detail && *detail ? std::string("; CANN says: ") + detail : std::string());
+  if (status != 0) fail_status(op_, function, library_, status);
 }
 
 void AclnnCall::launch(uint64_t workspace_size, AclOpExecutor* executor) {
@@ -235,7 +261,16 @@ void AclnnCall::launch(uint64_t workspace_size, AclOpExecutor* executor) {
     }
     workspace_ptr = workspace.data_ptr();
   }
-  check(launch_(workspace_ptr, workspace_size, executor, current_stream(like_)), aclnn_);
+  void* stream = current_stream(like_);
+  std::shared_ptr<Handles> handles = std::move(handles_);
+  handles_ = std::make_shared<Handles>();
+  enqueue(aclnn_, [fn = launch_, workspace_ptr, workspace_size, executor, stream, handles,
+                   op = op_, aclnn = aclnn_, library = library_]() -> int {
+    const AclStatus status = fn(workspace_ptr, workspace_size, executor, stream);
+    handles->release();
+    if (status != 0) fail_status(op, aclnn, library, status);
+    return 0;
+  });
 }
 
 }  // namespace cam_jit_npu

@@ -1,13 +1,16 @@
 // cam_jit's aclnn execution helper: resolve an operator's two entry points with dlsym, turn
-// at::Tensor / optional / tensor lists / int64 / strings into ACL handles, get the workspace size,
-// allocate it, launch on the current stream, release every handle on every path (docs/semantics.md §7.1).
+// at::Tensor / optional / tensor lists / int64 / strings into ACL handles, get the workspace size
+// and allocate the workspace on the calling thread, then hand the launch and the release of every
+// handle to the device's task queue, as op-plugin's EXEC_NPU_CMD does (docs/semantics.md §7.1). Every handle
+// is released on every path.
 //
 // Nothing here includes a torch_npu or CANN header. The few ACL facts needed (enum values, the
 // aclnn tensor-API prototypes, which the torch_npu wheel does not ship) are declared below and
 // resolved at run time from the libraries Python configured (configure_aclnn()). What depends on
-// the device runtime (stream, workspace allocation, NPU storage format) is the four functions of
-// "device runtime hooks", defined by exactly one translation unit per build: npu_runtime.cpp on
-// an NPU, the test runtime of tests/npu_sim when the helper is driven with CPU tensors.
+// the device runtime (stream, workspace allocation, NPU storage format, task queue) is the five
+// functions of "device runtime hooks", defined by exactly one translation unit per build:
+// npu_runtime.cpp on an NPU, the test runtime of tests/npu_sim when the helper is driven with CPU
+// tensors.
 //
 // Errors are c10::Error (TORCH_CHECK), i.e. a Python RuntimeError that names the op, the aclnn
 // function, the status and the libraries searched.
@@ -18,6 +21,8 @@
 #include <c10/util/Optional.h>
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -59,8 +64,14 @@ using LaunchFn = AclStatus (*)(void* workspace, uint64_t workspace_size, AclOpEx
                                void* stream);
 
 // ---- device runtime hooks (one definition per build) ----
-// The current stream of `like`'s device, as the aclrtStream the launch takes.
+// The current stream of `like`'s device, as the aclrtStream the launch takes (without draining
+// the task queue: the launch is queued behind the ops already queued).
 void* current_stream(const at::Tensor& like);
+// Queues `launch` (the aclnn launch, then the release of the call's handles) on the task queue
+// of the current device: it runs in order with the ops queued before and after it. `name` is the
+// aclnn function, for the queue's profiler and error reports. A non-zero return or an exception
+// is an error of the launch.
+void enqueue(const std::string& name, std::function<int()> launch);
 // A workspace of `bytes` on `like`'s device from the caching allocator (kept alive by the caller
 // until the launch is enqueued).
 at::Tensor allocate_workspace(const at::Tensor& like, uint64_t bytes);
@@ -90,7 +101,8 @@ class AclnnCall {
   const AclTensor* optional(const std::string& arg, const c10::optional<at::Tensor>& t);
   const AclTensorList* list(const std::string& arg, at::TensorList ts);
 
-  // aclnnXGetWorkspaceSize(args..., &size, &executor), workspace, aclnnX(..., stream).
+  // aclnnXGetWorkspaceSize(args..., &size, &executor) and the workspace on this thread, then
+  // aclnnX(workspace, size, executor, stream) and the handles' release on the task queue.
   // Every integer attribute must be int64_t (docs/semantics.md §7.1): narrower ints do not compile.
   template <typename... Args>
   void run(Args... args) {
@@ -107,6 +119,14 @@ class AclnnCall {
   }
 
  private:
+  // The ACL handles of one call; destroyed by release() or, at the latest, the destructor.
+  struct Handles {
+    std::vector<AclTensor*> tensors;    // owned directly
+    std::vector<AclTensorList*> lists;  // own their element tensors
+    void release();
+    ~Handles() { release(); }
+  };
+
   void resolve();
   void launch(uint64_t workspace_size, AclOpExecutor* executor);
   void check(AclStatus status, const std::string& function);
@@ -118,8 +138,7 @@ class AclnnCall {
   std::string library_;  // where the entry points were found
   void* get_workspace_ = nullptr;
   LaunchFn launch_ = nullptr;
-  std::vector<AclTensor*> tensors_;    // owned directly
-  std::vector<AclTensorList*> lists_;  // own their element tensors
+  std::shared_ptr<Handles> handles_ = std::make_shared<Handles>();  // moved to the queued launch
 };
 
 }  // namespace cam_jit_npu

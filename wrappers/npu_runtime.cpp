@@ -1,6 +1,7 @@
 // Device runtime hooks of the exec helper (aclnn_exec.h) on an Ascend NPU, from torch_npu: the
 // current NPU stream, workspace from torch_npu's caching allocator (at::empty on the device),
-// and the NPU storage format of a tensor. The only translation unit that includes torch_npu
+// the NPU storage format of a tensor, and torch_npu's task queue (OpCommand::RunOpApiV2, what
+// op-plugin's EXEC_NPU_CMD launches through). The only translation unit that includes torch_npu
 // headers, and the place where our ACL constants are checked against the real ACL header.
 #include "aclnn_exec.h"
 
@@ -9,6 +10,7 @@
 
 #include "torch_npu/csrc/core/npu/NPUFormat.h"
 #include "torch_npu/csrc/core/npu/NPUStream.h"
+#include "torch_npu/csrc/framework/OpCommand.h"
 
 namespace cam_jit_npu {
 
@@ -33,9 +35,11 @@ bool strided_format(int64_t format) {
 }  // namespace
 
 void* current_stream(const at::Tensor& like) {
-  // stream() (need_empty = true) first flushes torch_npu's task queue, so that the launch is
-  // ordered after every op torch_npu has queued but not yet submitted.
-  return c10_npu::getCurrentNPUStream(like.device().index()).stream();
+  return c10_npu::getCurrentNPUStream(like.device().index()).stream(false);
+}
+
+void enqueue(const std::string& name, std::function<int()> launch) {
+  at_npu::native::OpCommand::RunOpApiV2(name, launch);
 }
 
 at::Tensor allocate_workspace(const at::Tensor& like, uint64_t bytes) {

@@ -1,6 +1,8 @@
 // The NPU symmetric heap of cam_jit.FusedDeepMoeBuffer (docs/semantics.md §5.1) on Ascend SHMEM: this PE
-// initialises SHMEM (aclshmemx_init_attr, bootstrap at ip_port), then allocates from the symmetric
-// heap the 2 MiB ext-info region and the workspace (memsize - 2 MiB). The buffer then calls the
+// sets the bootstrap's TLS (off unless TLS settings are given: SHMEM releases before Feb 2026
+// otherwise demand certificates; UMDK's buffer turns it off the same way), initialises SHMEM
+// (aclshmemx_init_attr, bootstrap at ip_port), then allocates from the symmetric heap the 2 MiB
+// ext-info region and the workspace (memsize - 2 MiB). The buffer then calls the
 // fused_deep_moe wrapper with the base ABI, ext_info, shmem_workspace and memsize - 2 MiB (§7.2).
 //
 // Built only with SHMEM: cam_jit/ascend/build.py adds this file, -DCAM_JIT_WITH_SHMEM and
@@ -22,10 +24,11 @@ constexpr int64_t kExtInfoBytes = 2 * 1024 * 1024;  // docs/semantics.md §5.1
 bool g_active = false;  // SHMEM is per process: one initialised buffer at a time
 
 // SHMEM for PE `rank` of `num_ranks` with a `memsize`-byte heap, bootstrapped at `ip_port`
-// ("tcp://host:port"), then the two allocations. Returns their device addresses
-// [ext_info, shmem_workspace]. RuntimeError texts follow docs/semantics.md §5.1.
+// ("tcp://host:port") with TLS off, or on with `tls_info` (SHMEM's TLS settings text) when it is
+// not empty; then the two allocations. Returns their device addresses [ext_info,
+// shmem_workspace]. RuntimeError texts follow docs/semantics.md §5.1.
 std::vector<int64_t> zb_shmem_init(int64_t rank, int64_t num_ranks, int64_t memsize,
-                                   const std::string& ip_port) {
+                                   const std::string& ip_port, const std::string& tls_info) {
   TORCH_CHECK(!g_active, "FusedDeepMoeBuffer.init: SHMEM is already initialised in this process by "
               "another buffer; close() it first (one NPU buffer per process)");
   TORCH_CHECK(0 <= rank && rank < num_ranks, "FusedDeepMoeBuffer.init: argument 'rank': expected "
@@ -39,7 +42,13 @@ std::vector<int64_t> zb_shmem_init(int64_t rank, int64_t num_ranks, int64_t mems
   attributes.n_pes = static_cast<int>(num_ranks);
   attributes.local_mem_size = static_cast<uint64_t>(memsize);
   std::memcpy(attributes.ip_port, ip_port.c_str(), ip_port.size() + 1);
-  int status = aclshmemx_init_attr(ACLSHMEMX_INIT_WITH_DEFAULT, &attributes);
+  int status = tls_info.empty()
+                   ? aclshmemx_set_conf_store_tls(false, nullptr, 0)
+                   : aclshmemx_set_conf_store_tls(true, tls_info.c_str(),
+                                                  static_cast<uint32_t>(tls_info.size()));
+  TORCH_CHECK(status == 0, "FusedDeepMoeBuffer.init: aclshmemx_set_conf_store_tls(",
+              tls_info.empty() ? "false" : "true", ") returned ", status);
+  status = aclshmemx_init_attr(ACLSHMEMX_INIT_WITH_DEFAULT, &attributes);
   TORCH_CHECK(status == 0, "shmem_init_attr failed (aclshmemx_init_attr returned ", status,
               " for PE ", rank, " of ", num_ranks, " at ", ip_port, ")");
   if (aclshmemx_init_status() != ACLSHMEM_STATUS_IS_INITIALIZED) {
@@ -76,7 +85,7 @@ void zb_shmem_finalize(int64_t ext_info, int64_t shmem_workspace) {
 }  // namespace cam_jit_npu
 
 TORCH_LIBRARY_FRAGMENT(CAM_JIT_NPU_NS, m) {
-  m.def("zb_shmem_init(int rank, int num_ranks, int memsize, str ip_port) -> int[]",
+  m.def("zb_shmem_init(int rank, int num_ranks, int memsize, str ip_port, str tls_info) -> int[]",
         &cam_jit_npu::zb_shmem_init);
   m.def("zb_shmem_finalize(int ext_info, int shmem_workspace) -> ()",
         &cam_jit_npu::zb_shmem_finalize);

@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from cam_jit.ascend import build, discover, opp, registry
+from cam_jit.ascend import build, discover, hccl, opp, registry
 
 TENSOR_API_LIBS = ("lib64/libnnopbase.so", "lib/libnnopbase.so")  # under the CANN home
 
@@ -141,58 +141,68 @@ def fused_deep_moe(x, expert_ids, gmm1_weight, gmm1_weight_scale, gmm2_weight, g
                    share_gmm2_weight_scale, expert_smooth_scales, share_smooth_scales,
                    x_active_mask, gmm1_bias, gmm2_bias, share_gmm1_bias, share_gmm2_bias,
                    group_ep, ep_rank_size, ep_rank_id, moe_expert_num, quant_mode, global_bs):
-    """NPU kernel of cam_jit::fused_deep_moe (non-SHMEM call: ext_info = shmem_workspace =
-    shmem_workspace_size = 0, docs/semantics.md §7.2)."""
+    """NPU kernel of cam_jit::fused_deep_moe: a plain (HCCL) call, ext_info = shmem_workspace =
+    shmem_workspace_size = 0, with group_ep turned into the HCCL communicator name. The base
+    (SHMEM) package serves FusedDeepMoeBuffer only and is refused here."""
     args = dict(locals())
     outputs = _zeroed(_op_module("fused_deep_moe")._fake(**args))
     b = binding()
     abi = _fdm_abi_code(b, gmm1_weight[0])
+    if b.fdm_abi == "base":
+        raise RuntimeError(f"fused_deep_moe on NPU: the installed aclnnFusedDeepMoe is the base (SHMEM) "
+                           f"package ({b.fdm_how}), which serves {opp.FDM_SERVES['base']}; "
+                           f"{opp.PLAIN_CALL_PACKAGES}")
     if gmm1_weight[0].dtype == torch.int8:
         _check_nz_weights(args)
+    args["group_ep"] = hccl.comm_name("fused_deep_moe", group_ep)
     b.ops.fused_deep_moe(*args.values(), abi, 0, 0, 0, *outputs)
     return outputs
 
 
 def a2e(x, expert_ids, scales, batch_size, hidden_size, topk, expert_rank_size, atten_rank_size,
         rank, group_ep, aiv_num, compute_gate):
-    """NPU kernel of cam_jit::a2e. On attention ranks the batch attribute is x.shape[0], as the
-    upstream wrapper passes (docs/semantics.md §2.3)."""
+    """NPU kernel of cam_jit::a2e. The batch attribute is batch_size on expert ranks and
+    x.shape[0] on attention ranks (the kernel copies batch * hidden_size elements of x there)."""
     outputs = _zeroed(_op_module("a2e_e2a")._a2e_fake(**locals()))
-    batch = batch_size if rank < expert_rank_size else x.shape[0]
+    batch = attention_side_batch(rank, expert_rank_size, batch_size, x.shape[0])
     binding().ops.a2e(x, expert_ids, scales, batch, hidden_size, topk, expert_rank_size,
-                      atten_rank_size, rank, group_ep, aiv_num, compute_gate, *outputs)
+                      atten_rank_size, rank, hccl.comm_name("a2e", group_ep), aiv_num, compute_gate,
+                      *outputs)
     return outputs
 
 
 def e2a(expand_x, atten_batch_size, batch_size, hidden_size, topk, expert_rank_size,
         attention_rank_size, rank, group_ep, aiv_num):
-    """NPU kernel of cam_jit::e2a."""
-    args = dict(locals())
-    out = _zeroed(_op_module("a2e_e2a")._e2a_fake(**args))
-    binding().ops.e2a(*args.values(), out)
+    """NPU kernel of cam_jit::e2a. The batch attribute is batch_size on expert ranks and
+    expand_x.shape[0] on attention ranks (the kernel writes batch * hidden_size elements of out)."""
+    out = _zeroed(_op_module("a2e_e2a")._e2a_fake(**locals()))
+    batch = attention_side_batch(rank, expert_rank_size, batch_size, expand_x.shape[0])
+    binding().ops.e2a(expand_x, atten_batch_size, batch, hidden_size, topk, expert_rank_size,
+                      attention_rank_size, rank, hccl.comm_name("e2a", group_ep), aiv_num, out)
     return out
+
+
+def attention_side_batch(rank: int, expert_rank_size: int, batch_size, rows):
+    """The batch attribute of A2e/E2a: ``batch_size`` on expert ranks (rank < expert_rank_size),
+    ``rows`` (the row count of the rank's own x / expand_x) on attention ranks. Shared with the
+    GE converters, where ``rows`` may be a symbolic size."""
+    return batch_size if rank < expert_rank_size else rows
+
+
+DETOUR_ON_NPU = ("{op} has no NPU kernel in cam_jit: its aclnn kernel reads the peers' IPC addresses "
+                 "from a device commArgs tensor, which cam_jit's host-only communicator "
+                 "(cam_get_comm) does not build, so a launch would hand the kernel null peers. Run it on "
+                 "CPU tensors (the CPU path over torch.distributed gloo)")
 
 
 def all2_all_detour(sendData, commRankIds, commArgs, commId):
-    """NPU kernel of cam_jit::all2_all_detour: takes the communicator's magic once (docs/semantics.md §3.1)."""
-    from cam_jit.ops.comm import cam_get_and_increase_magic
-
-    out = _zeroed(_op_module("detour")._all2all_fake(sendData, commRankIds, commArgs, commId))
-    binding().ops.all2_all_detour(sendData, commRankIds, commArgs,
-                                  cam_get_and_increase_magic(commId), out)
-    return out
+    """NPU kernel of cam_jit::all2_all_detour: refused (see :data:`DETOUR_ON_NPU`)."""
+    raise NotImplementedError(DETOUR_ON_NPU.format(op="all2_all_detour"))
 
 
 def reduce_scatter_detour(sendData, commRankIds, commArgs, commId, op):
-    """NPU kernel of cam_jit::reduce_scatter_detour: magic taken once, rankSize = the
-    communicator's size (the attribute GE's InferShape divides by, docs/semantics.md §3.3)."""
-    from cam_jit.ops.comm import cam_get_and_increase_magic, cam_get_rank_size
-
-    out = _zeroed(_op_module("detour")._reduce_scatter_fake(sendData, commRankIds, commArgs, commId, op))
-    rank_size = cam_get_rank_size(commId)
-    binding().ops.reduce_scatter_detour(sendData, commRankIds, commArgs,
-                                        cam_get_and_increase_magic(commId), rank_size, op, out)
-    return out
+    """NPU kernel of cam_jit::reduce_scatter_detour: refused (see :data:`DETOUR_ON_NPU`)."""
+    raise NotImplementedError(DETOUR_ON_NPU.format(op="reduce_scatter_detour"))
 
 
 KERNELS: Dict[str, Callable] = {

@@ -199,6 +199,19 @@ def detect_fdm_abi(vendors: Vendors) -> FdmChoice:
                      f"{'|'.join(facts.codes)} to choose the prototype by hand")
 
 
+# What each FusedDeepMoe package serves. cam_feature's base (SHMEM) OpDef declares no HCCL group
+# (no MC2().HcclGroup), so outside the SHMEM branch its kernel finds no communicator; UMDK master's
+# OpDef declares one (MC2().HcclGroup({"group_ep"})), as does the w4a8 package.
+FDM_SERVES = {
+    "base": "FusedDeepMoeBuffer only (its OpDef declares no HCCL group, so a plain call would have "
+            "no communicator)",
+    "master": "plain W8A8 fused_deep_moe calls (not FusedDeepMoeBuffer: no SHMEM attributes)",
+    "w4a8": "plain W4A8 (int32 weight) fused_deep_moe calls",
+}
+PLAIN_CALL_PACKAGES = ("install UMDK master's FusedDeepMoe package for plain W8A8 calls (for int4 "
+                       "weights: the w4a8 package), or call through cam_jit.FusedDeepMoeBuffer")
+
+
 def vendor_summary(vendors: Vendors) -> List[str]:
     """One line per vendor (search order) and per skipped entry, for ``doctor``."""
     lines = []

@@ -4,8 +4,10 @@ install a ``.run`` package into a user-owned vendor directory, build one from a 
 A custom opp ``.run`` package (a self-extracting installer) installs with
 ``<package>.run --quiet --install-path=<dir>`` into ``<dir>/vendors/<vendor>/`` and leaves a
 ``bin/set_env.bash`` there that adds the vendor to ``ASCEND_CUSTOM_OPP_PATH``. Building runs the
-source tree's own ``build.sh`` (extra arguments are passed through, e.g. UMDK's ``-q`` for the
-W4A8 FusedDeepMoe, docs/semantics.md §7.4) and then looks for the ``.run`` file it produced. All three
+source tree's own build script (UMDK's ``build/cam/build.sh``, else a ``build.sh`` at the top;
+extra arguments are passed through, e.g. UMDK's ``-q`` for the W4A8 FusedDeepMoe, docs/semantics.md §7.4,
+or ``-r`` for the ``.run`` package alone) and then looks for the ``.run`` file it produced (UMDK
+writes it under ``output/cam/comm_operator/run/``). All three
 need CANN (the package's kernels, op-info and aclnn library only work with it) and fail with a
 clear message when it is missing.
 """
@@ -22,7 +24,12 @@ from cam_jit.ascend import discover, opp, registry
 
 DEFAULT_INSTALL_DIR = Path.home() / ".local" / "share" / "cam_jit" / "opp"
 INSTALL_DIR_VAR = "CAM_JIT_OPP_DIR"
-BUILD_SCRIPT = "build.sh"
+BUILD_SCRIPTS = (Path("build") / "cam" / "build.sh", Path("build.sh"))  # UMDK's first
+RUN_DIRS = (Path("output") / "cam" / "comm_operator" / "run",)  # where UMDK's build puts the .run
+RUN_ONLY_FLAG = "-r"
+RUN_ONLY_HINT = (f"UMDK's build/cam/build.sh also builds the pybind wheel, which cam_jit does not "
+                 f"use; `python -m cam_jit opp build <tree> -- {RUN_ONLY_FLAG}` builds the .run "
+                 "package alone")
 
 
 class OppError(RuntimeError):
@@ -120,19 +127,37 @@ def install_run(run_file: Path, target: Optional[Path] = None, timeout: float = 
 
 
 def find_built_packages(tree: Path, since_ns: int) -> List[Path]:
-    """``.run`` files under ``tree`` written at or after ``since_ns``, newest first."""
-    runs = [p for p in tree.rglob("*.run") if p.is_file() and p.stat().st_mtime_ns >= since_ns]
-    return sorted(runs, key=lambda p: p.stat().st_mtime_ns, reverse=True)
+    """``.run`` files written at or after ``since_ns``, newest first: those in UMDK's output
+    directory, else any under ``tree``."""
+    for sub in (*RUN_DIRS, Path(".")):
+        found = (tree / sub).glob("*.run") if sub in RUN_DIRS else tree.rglob("*.run")
+        runs = [p for p in found if p.is_file() and p.stat().st_mtime_ns >= since_ns]
+        if runs:
+            return sorted(runs, key=lambda p: p.stat().st_mtime_ns, reverse=True)
+    return []
+
+
+def build_script(tree: Path) -> Optional[Path]:
+    """The tree's build script: UMDK's ``build/cam/build.sh``, else ``build.sh``; None if neither."""
+    return next((tree / s for s in BUILD_SCRIPTS if (tree / s).is_file()), None)
+
+
+def run_only_hint(tree: Path, args: Sequence[str]) -> Optional[str]:
+    """The advice to pass ``-r`` when building with UMDK's script without it, else None."""
+    tree = Path(tree).expanduser().absolute()
+    umdk = build_script(tree) == tree / BUILD_SCRIPTS[0]
+    return RUN_ONLY_HINT if umdk and RUN_ONLY_FLAG not in args else None
 
 
 def build_from_source(tree: Path, args: Sequence[str] = (), timeout: float = 7200) -> List[Path]:
-    """Run ``<tree>/build.sh <args>`` in ``tree`` and return the ``.run`` packages it produced.
-    Without SHMEM the SHMEM-only operators are left out of the build (docs/semantics.md §7.4)."""
+    """Run the tree's build script (:func:`build_script`) with ``args`` in ``tree`` and return the
+    ``.run`` packages it produced. Without SHMEM the SHMEM-only operators are left out of the build
+    (docs/semantics.md §7.4)."""
     tree = Path(tree).expanduser().absolute()
-    script = tree / BUILD_SCRIPT
-    if not script.is_file():
-        raise OppError(f"cannot build from {tree}: no {BUILD_SCRIPT} in it (expected the kernel "
-                       "source tree's own build script, e.g. a UMDK checkout)")
+    script = build_script(tree)
+    if script is None:
+        raise OppError(f"cannot build from {tree}: neither {' nor '.join(map(str, BUILD_SCRIPTS))} in it "
+                       "(expected the kernel source tree's own build script, e.g. a UMDK checkout)")
     require_cann(f"build the opp package in {tree}")
     start = _now_ns()
     try:
@@ -146,7 +171,7 @@ def build_from_source(tree: Path, args: Sequence[str] = (), timeout: float = 720
     runs = find_built_packages(tree, start)
     if not runs:
         raise OppError(f"{script} {' '.join(args)} succeeded but wrote no .run package under "
-                       f"{tree}")
+                       f"{tree} (UMDK writes it to {RUN_DIRS[0]}/)")
     return runs
 
 

@@ -121,6 +121,10 @@ def lines(stack: Stack) -> List[str]:
     out.append(_row("search", " -> ".join(str(p) for p in order) if order
                     else "no aclnn library to search (no vendor libcust_opapi.so, no libopapi.so)"))
     out.append(_row("FDM ABI", f"{stack.fdm.abi or 'unknown'} ({stack.fdm.how})"))
+    if stack.fdm.abi is not None:
+        out.append(_row("", f"serves {opp.FDM_SERVES[stack.fdm.abi]}"))
+    if stack.fdm.abi == "base":
+        out.append(_row("", f"plain calls: {opp.PLAIN_CALL_PACKAGES}"))
     blockers = stack_problems(stack)
     if blockers:
         out.append(_row("BLOCKED", f"{', '.join(blockers)} (see above): no operator can run"))

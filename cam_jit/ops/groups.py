@@ -5,7 +5,7 @@ name (`ProcessGroup.group_name`); and "", "world" and "default" to the default (
 """
 from __future__ import annotations
 
-from typing import Dict, Union
+from typing import Dict, Optional, Union
 
 import torch.distributed as dist
 
@@ -38,11 +38,8 @@ def group_ep_name(op: str, group_ep: Union[str, "dist.ProcessGroup"]) -> str:
     )
 
 
-def resolve_group(op: str, name: str, rank_size: int, rank_id: int, size_arg: str = "ep_rank_size",
-                  rank_arg: str = "ep_rank_id") -> "dist.ProcessGroup":
-    """The process group `name` for a collective of `rank_size` ranks in which this process is
-    `rank_id`; raises ValueError if it cannot be found or disagrees with the given sizes (naming
-    the op's arguments `size_arg` and `rank_arg`)."""
+def find_group(name: str) -> Optional["dist.ProcessGroup"]:
+    """The process group `name` refers to in this process (see the module docstring), or None."""
     group = _REGISTERED.get(name)
     if group is None and dist.is_available() and dist.is_initialized():
         if name in _WORLD_NAMES:
@@ -50,8 +47,17 @@ def resolve_group(op: str, name: str, rank_size: int, rank_id: int, size_arg: st
         else:
             try:
                 group = dist.distributed_c10d._resolve_process_group(name)
-            except (RuntimeError, AttributeError):
+            except (RuntimeError, AttributeError, ValueError):
                 group = None
+    return group
+
+
+def resolve_group(op: str, name: str, rank_size: int, rank_id: int, size_arg: str = "ep_rank_size",
+                  rank_arg: str = "ep_rank_id") -> "dist.ProcessGroup":
+    """The process group `name` for a collective of `rank_size` ranks in which this process is
+    `rank_id`; raises ValueError if it cannot be found or disagrees with the given sizes (naming
+    the op's arguments `size_arg` and `rank_arg`)."""
+    group = find_group(name)
     if group is None:
         initialized = dist.is_available() and dist.is_initialized()
         if not initialized:

@@ -7,6 +7,7 @@ base (SHMEM) prototype, ``ext_info``, ``shmem_workspace`` and ``memsize - 2 MiB`
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any, Dict, List
 
 import torch
@@ -16,6 +17,7 @@ from cam_jit.zero_buffer._heap import EXT_INFO_BYTES
 
 NPU_DEVICE = "npu"  # torch_npu's name for the PrivateUse1 device
 NO_SHMEM = "SHMEM is not enabled. Please set SHMEM_HOME_PATH and recompile."  # docs/semantics.md §5.1
+TLS_ENV = "CAM_JIT_SHMEM_TLS_INFO"  # SHMEM's TLS settings for the bootstrap; unset: TLS off
 BASE_ABI = "base"  # the only aclnnFusedDeepMoe prototype with the SHMEM attributes (§7.2)
 
 
@@ -36,7 +38,8 @@ class NpuHeap:
         if not hasattr(self._ops, "zb_shmem_init"):
             raise RuntimeError(NO_SHMEM)
         self.rank, self.num_ranks, self.memsize = rank, num_ranks, memsize
-        self.ext_info, self.workspace = self._ops.zb_shmem_init(rank, num_ranks, memsize, ip_port)
+        tls_info = os.environ.get(TLS_ENV, "")
+        self.ext_info, self.workspace = self._ops.zb_shmem_init(rank, num_ranks, memsize, ip_port, tls_info)
 
     def check_device(self, where: str, x: torch.Tensor) -> None:
         """ValueError unless ``x`` (hence the call) is on the NPU."""

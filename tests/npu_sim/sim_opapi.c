@@ -3,14 +3,21 @@
  *
  * It exports the aclnn tensor API (aclCreateTensor, aclCreateTensorList, aclDestroyTensor,
  * aclDestroyTensorList, aclDestroyAclOpExecutor, aclGetRecentErrMsg) and, for each operator,
- * aclnn<Op>GetWorkspaceSize and aclnn<Op> with the C prototypes of SPEC.md §7.2, written from the
- * SPEC, independently of the wrappers. Every call appends one JSON line to a log: each argument as a tensor (dtype, shape,
- * strides, offset, format, storage dims, data address), null, a tensor list (its tensors), an
- * int64 or a string. Statuses and the workspace size are chosen by the test
- * (sim_set_status / sim_set_workspace). Nothing is computed: it checks what arrives.
+ * aclnn<Op>GetWorkspaceSize and aclnn<Op> with the C prototypes of the vendor headers (op_api/
+ * aclnn_*.h), written from them, independently of the wrappers. Every call appends one JSON line
+ * to a log: each argument as a tensor (dtype, shape, strides, offset, format, storage dims, data
+ * address), null, a tensor list (its tensors), an int64 or a string. Statuses and the workspace
+ * size are chosen by the test (sim_set_status / sim_set_workspace).
+ *
+ * Executing: GetWorkspaceSize returns a fresh executor holding its JSON record; when a kernel
+ * callback is set (sim_set_kernel), the launch hands it (aclnn name, record) and returns its
+ * status, so the callback computes the outputs from nothing but the descriptors received
+ * (tests/npu_sim/standin.py). Without one, nothing is computed.
  *
  * Build variants (macros): SIM_FDM_ABI = 0 base / 1 w4a8 / 2 master selects the one
- * aclnnFusedDeepMoe prototype exported; SIM_TENSOR_API_ONLY exports no operator at all.
+ * aclnnFusedDeepMoe prototype exported; SIM_TENSOR_API_ONLY exports no operator at all;
+ * SIM_NO_ERRMSG leaves out aclGetRecentErrMsg (CANN defines it in libascendcl, not the opapi);
+ * SIM_ERRMSG_ONLY exports nothing but aclGetRecentErrMsg (a stand-in for libascendcl).
  */
 #include <stdarg.h>
 #include <stdint.h>
@@ -32,7 +39,12 @@ static size_t g_len = 0, g_cap = 0;
 static long g_live = 0; /* tensors + lists created and not destroyed */
 static Status g_ws_status = 0, g_run_status = 0;
 static uint64_t g_workspace = 0;
-static int g_executor;
+typedef int32_t (*SimKernel)(const char* aclnn, const char* record);
+static SimKernel g_kernel = NULL;
+#define EXECUTOR_MAGIC 0x5E5E
+typedef struct { int magic; char* record; } SimExecutor;
+static size_t g_record_start = 0;
+static char g_error[2048];
 
 static void out(const char* fmt, ...) {
   va_list ap;
@@ -51,11 +63,24 @@ static void out(const char* fmt, ...) {
 }
 
 /* ---- control, for the tests (ctypes) ---- */
-void sim_reset(void) { g_len = 0; if (g_log) g_log[0] = 0; g_ws_status = g_run_status = 0; g_workspace = 0; }
+void sim_reset(void) {
+  g_len = 0; if (g_log) g_log[0] = 0;
+  g_ws_status = g_run_status = 0; g_workspace = 0; g_error[0] = 0;
+}
 const char* sim_log(void) { return g_log ? g_log : ""; }
 long sim_live_handles(void) { return g_live; }
 void sim_set_status(Status workspace_status, Status run_status) { g_ws_status = workspace_status; g_run_status = run_status; }
 void sim_set_workspace(uint64_t bytes) { g_workspace = bytes; }
+void sim_set_kernel(SimKernel kernel) { g_kernel = kernel; }
+void sim_set_error(const char* text) { snprintf(g_error, sizeof g_error, "%s", text ? text : ""); }
+
+#ifndef SIM_NO_ERRMSG
+const char* aclGetRecentErrMsg(void) {
+  if (g_error[0]) return g_error;
+  return g_ws_status || g_run_status ? "simulated failure" : "";
+}
+#endif
+#ifndef SIM_ERRMSG_ONLY
 
 /* ---- the aclnn tensor API ---- */
 void* aclCreateTensor(const int64_t* view_dims, uint64_t ndim, int32_t dtype, const int64_t* strides,
@@ -86,11 +111,17 @@ Status aclDestroyTensorList(const void* p) {
   free((void*)l->items); free((void*)l); --g_live;
   return 0;
 }
+static int executor_ok(const void* e) { return e && ((const SimExecutor*)e)->magic == EXECUTOR_MAGIC; }
+static void free_executor(void* e) {
+  if (!executor_ok(e)) return;
+  SimExecutor* x = (SimExecutor*)e;
+  x->magic = 0; free(x->record); free(x); --g_live;
+}
 Status aclDestroyAclOpExecutor(void* executor) {
-  out("{\"fn\":\"aclDestroyAclOpExecutor\",\"executor_ok\":%d}\n", executor == &g_executor);
+  out("{\"fn\":\"aclDestroyAclOpExecutor\",\"executor_ok\":%d}\n", executor_ok(executor));
+  free_executor(executor);
   return 0;
 }
-const char* aclGetRecentErrMsg(void) { return g_ws_status || g_run_status ? "simulated failure" : ""; }
 
 /* ---- argument recording ---- */
 static void ints(const char* key, const int64_t* v, uint64_t n) {
@@ -124,18 +155,31 @@ static void S(const char* s) {
   for (; s && *s; ++s) out(*s == '"' || *s == '\\' ? "\\%c" : "%c", *s);
   out("\"}");
 }
-static void begin(const char* fn) { out("{\"fn\":\"%s\",\"args\":[", fn); g_first = 1; }
+static void begin(const char* fn) {
+  g_record_start = g_len;
+  out("{\"fn\":\"%s\",\"args\":[", fn);
+  g_first = 1;
+}
 static Status end_ws(uint64_t* ws, void** executor) {
   out("]}\n");
   *ws = g_workspace;
-  *executor = &g_executor;
-  return g_ws_status;
+  *executor = NULL;
+  if (g_ws_status) return g_ws_status;
+  SimExecutor* x = (SimExecutor*)calloc(1, sizeof(SimExecutor));
+  x->magic = EXECUTOR_MAGIC;
+  x->record = strdup(g_log + g_record_start);
+  ++g_live;
+  *executor = x;
+  return 0;
 }
 static Status launch(const char* fn, void* workspace, uint64_t size, void* executor, void* stream) {
+  int ok = executor_ok(executor);
   out("{\"fn\":\"%s\",\"workspace_null\":%d,\"workspace_size\":%llu,\"executor_ok\":%d,\"stream\":%llu}\n",
-      fn, workspace == NULL, (unsigned long long)size, executor == &g_executor,
-      (unsigned long long)(uintptr_t)stream);
-  return g_run_status;
+      fn, workspace == NULL, (unsigned long long)size, ok, (unsigned long long)(uintptr_t)stream);
+  Status status = g_run_status;
+  if (status == 0 && ok && g_kernel) status = g_kernel(fn, ((SimExecutor*)executor)->record);
+  free_executor(executor);
+  return status;
 }
 #define LAUNCH(name) \
   Status name(void* w, uint64_t s, void* e, void* st) { return launch(#name, w, s, e, st); }
@@ -218,3 +262,4 @@ Status aclnnReduceScatterDetourGetWorkspaceSize(Tn send, Tn ids, Tn args, int64_
 }
 LAUNCH(aclnnReduceScatterDetour)
 #endif
+#endif  /* SIM_ERRMSG_ONLY */
