@@ -31,6 +31,10 @@ NO_CONVERTER: Dict[str, str] = {
     "reduce_scatter_detour": (
         "GE ReduceScatterDetour takes the communicator magic as a graph attribute, but every call must "
         "take a fresh magic (docs/semantics.md §3.1, §4.1): a replayed graph would reuse it"),
+    **{op: ("UMDK's prefill kernels (GE DispatchLayout, NotifyDispatch, MoeDispatchNormal, MoeCombineNormal) "
+            "register no InferShape and UMDK's own binding declares them unusable in GE graphs; the op runs "
+            "eagerly (and in torch.compile graphs on CPU)")
+       for op in ("moe_dispatch_layout", "moe_notify_dispatch", "moe_dispatch_normal", "moe_combine_normal")},
     "cam_get_comm": "host-side communicator setup (TCP rendezvous, docs/semantics.md §4.1), not a device op",
     "cam_free_comm": "host-side communicator teardown (docs/semantics.md §4.1), not a device op",
 }

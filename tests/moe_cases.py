@@ -228,3 +228,20 @@ def make_single_rank_case(seed: int, *, ranks: int, **params) -> Tuple[Dict, Lis
         x_active_mask=None, moe_expert_num=e_total, global_bs=0,
     )
     return one, rank_rows(params["bs"], ranks)
+
+
+def expert_results(kw: Dict, rows: torch.Tensor, scales: torch.Tensor, per_expert: Sequence[int]) -> torch.Tensor:
+    """The reference W8A8 expert FFN of ``kw``'s local experts on received int8 ``rows`` [N, H]
+    (``scales`` [N] dequantisation scales), grouped by local expert with ``per_expert[e]`` rows
+    each (rows past their sum stay zero); returns [N, H] in ``kw["x"].dtype``."""
+    from cam_jit.reference import fused_deep_moe_steps as steps
+
+    w1, s1, w2, s2 = (kw[n][0] for n in ("gmm1_weight", "gmm1_weight_scale", "gmm2_weight", "gmm2_weight_scale"))
+    results = torch.zeros(rows.shape, dtype=kw["x"].dtype)
+    start = 0
+    for e, n in enumerate(per_expert):
+        block = slice(start, start + n)
+        results[block] = steps.expert_ffn(rows[block], scales[block], w1[e], s1[e], None, w2[e], s2[e], None,
+                                          kw["x"].dtype)
+        start += n
+    return results

@@ -80,7 +80,8 @@ def test_ops_prints_the_op_registry(capsys):
     assert {op["name"] for op in ops} >= {
         f"cam_jit::{name}" for name in ("fused_deep_moe", "moe_dispatch_lowlatency", "moe_combine_lowlatency", "a2e",
                                         "e2a", "all2_all_detour", "reduce_scatter_detour", "cam_get_comm",
-                                        "cam_free_comm")}
+                                        "cam_free_comm", "moe_dispatch_layout", "moe_notify_dispatch",
+                                        "moe_dispatch_normal", "moe_combine_normal")}
     for op in ops:
         line = next(line for line in out.splitlines() if line.split()[0] == op["name"])
         assert "CPU" in op["backends"] and "Meta" in op["backends"], op

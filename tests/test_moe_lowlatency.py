@@ -8,7 +8,7 @@ import torch.distributed as dist
 import cam_jit
 from cam_jit.ops.moe_lowlatency import moe_combine_lowlatency, moe_dispatch_lowlatency
 from cam_jit.reference import fused_deep_moe_steps as steps
-from moe_cases import make_rank_case
+from moe_cases import expert_results, make_rank_case
 from test_fused_deep_moe import assert_matches
 
 SMALL = dict(hidden=128, inter=64, experts=8, topk=4)
@@ -83,14 +83,7 @@ def fused_and_composed(seed, params):
     fused = cam_jit.fused_deep_moe(**kw)
     expand_x, scales, assist, counts, recv_count = moe_dispatch_lowlatency(
         kw["x"], kw["expert_ids"], kw["expert_smooth_scales"], kw["x_active_mask"], quant_mode=2, **args)
-    w1, s1, w2, s2 = (kw[n][0] for n in ("gmm1_weight", "gmm1_weight_scale", "gmm2_weight", "gmm2_weight_scale"))
-    results = torch.zeros(expand_x.shape, dtype=kw["x"].dtype)
-    start = 0
-    for e, n in enumerate(counts.tolist()):
-        rows = slice(start, start + n)
-        results[rows] = steps.expert_ffn(expand_x[rows], scales[rows], w1[e], s1[e], None, w2[e], s2[e], None,
-                                         kw["x"].dtype)
-        start += n
+    results = expert_results(kw, expand_x, scales, counts.tolist())
     out = moe_combine_lowlatency(results, kw["expert_ids"], assist, recv_count, kw["expert_scales"],
                                  kw["x_active_mask"], **args)
     return fused, (out, fused[1], counts)

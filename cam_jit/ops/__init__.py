@@ -20,6 +20,8 @@ from cam_jit.ops.fused_deep_moe import fused_deep_moe
 from cam_jit.ops.graph import ge_converter_status, register_ge_converters
 from cam_jit.ops.groups import register_group
 from cam_jit.ops.moe_lowlatency import moe_combine_lowlatency, moe_dispatch_lowlatency
+from cam_jit.ops.moe_normal import moe_combine_normal, moe_dispatch_layout, moe_dispatch_normal, moe_notify_dispatch
+from cam_jit.ops.moe_prefill import MoePrefillHandle, moe_combine_prefill, moe_dispatch_prefill
 from cam_jit.ops.weights import (nd_to_nz, nz_to_nd, pack_int4, permute_gmm1_weight, unpack_int4,
                                  unpermute_gmm1_weight, w4a8_compensation_bias)
 
@@ -54,6 +56,8 @@ def describe_ops() -> List[Dict[str, object]]:
 __all__ = [
     # ops
     "fused_deep_moe", "moe_dispatch_lowlatency", "moe_combine_lowlatency", "a2e", "e2a",
+    "moe_dispatch_layout", "moe_notify_dispatch", "moe_dispatch_normal", "moe_combine_normal",
+    "moe_dispatch_prefill", "moe_combine_prefill", "MoePrefillHandle",
     "all2_all_detour", "reduce_scatter_detour",
     "cam_get_comm", "cam_free_comm", "cam_get_rank_size", "cam_get_and_increase_magic", "cam_get_magic",
     # weight helpers

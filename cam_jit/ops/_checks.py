@@ -99,6 +99,14 @@ def device(op: str, arg: str, t: torch.Tensor, expected: torch.device) -> None:
         fail(op, arg, f"a tensor on {expected} (the device of 'x')", t.device)
 
 
+def expert_ids_in_range(op: str, expert_ids: torch.Tensor, experts: int, arg: str = "expert_ids") -> None:
+    """Every value of `expert_ids` in [-1, experts) (-1 skips a slot)."""
+    if expert_ids.numel():
+        low, high = (int(v) for v in torch.aminmax(expert_ids))
+        if low < -1 or high >= experts:
+            fail(op, arg, f"values in [-1, {experts}) (-1 skips a slot)", f"min {low}, max {high}")
+
+
 def expert_parallel(op: str, size_arg: str, ranks: int, rank: int, experts: int, global_bs: int) -> int:
     """The EP attributes every MoE op shares: R = `size_arg` > 0, 0 <= ep_rank_id < R,
     moe_expert_num a positive multiple of R, global_bs 0 or a multiple of R. Returns E_loc."""

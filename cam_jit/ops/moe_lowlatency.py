@@ -93,19 +93,12 @@ def _dispatch_fake(x, expert_ids, scales, x_active_mask, group_ep, ep_rank_size,
     )
 
 
-def _check_ids(op: str, expert_ids: torch.Tensor, experts: int) -> None:
-    if expert_ids.numel():
-        low, high = (int(v) for v in torch.aminmax(expert_ids))
-        if low < -1 or high >= experts:
-            check.fail(op, "expert_ids", f"values in [-1, {experts}) (-1 skips a slot)", f"min {low}, max {high}")
-
-
 def _dispatch_cpu(x, expert_ids, scales, x_active_mask, group_ep, ep_rank_size, ep_rank_id, moe_expert_num,
                   quant_mode, global_bs):
     local_experts, capacity = _validate_dispatch(**locals())
     op = DISPATCH_OP
     active = x.shape[0] if x_active_mask is None else int(x_active_mask.sum())
-    _check_ids(op, expert_ids[:active], moe_expert_num)
+    check.expert_ids_in_range(op, expert_ids[:active], moe_expert_num)
     group = resolve_group(op, group_ep, ep_rank_size, ep_rank_id) if ep_rank_size > 1 else None
     route = _moe_cpu.plan_route(op, expert_ids, active, local_experts, group)
     if quant_mode == 2:
