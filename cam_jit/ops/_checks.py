@@ -107,6 +107,9 @@ def expert_ids_in_range(op: str, expert_ids: torch.Tensor, experts: int, arg: st
             fail(op, arg, f"values in [-1, {experts}) (-1 skips a slot)", f"min {low}, max {high}")
 
 
+MAX_EXPERTS = 1 << 16  # far above any kernel's (the NPU's: 512); bounds what E may allocate
+
+
 def expert_parallel(op: str, size_arg: str, ranks: int, rank: int, experts: int, global_bs: int) -> int:
     """The EP attributes every MoE op shares: R = `size_arg` > 0, 0 <= ep_rank_id < R,
     moe_expert_num a positive multiple of R, global_bs 0 or a multiple of R. Returns E_loc."""
@@ -114,8 +117,8 @@ def expert_parallel(op: str, size_arg: str, ranks: int, rank: int, experts: int,
         fail(op, size_arg, "> 0", ranks)
     if not 0 <= rank < ranks:
         fail(op, "ep_rank_id", f"0 <= ep_rank_id < {size_arg} ({ranks})", rank)
-    if experts <= 0 or experts % ranks:
-        fail(op, "moe_expert_num", f"a positive multiple of {size_arg} ({ranks})", experts)
+    if experts <= 0 or experts % ranks or experts > MAX_EXPERTS:
+        fail(op, "moe_expert_num", f"a positive multiple of {size_arg} ({ranks}), at most {MAX_EXPERTS}", experts)
     if global_bs < 0 or global_bs % ranks:
         fail(op, "global_bs", f"0 or a positive multiple of {size_arg} ({ranks})", global_bs)
     return experts // ranks

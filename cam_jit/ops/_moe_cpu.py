@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,9 +40,10 @@ class Received:
 
 
 def plan_route(op: str, expert_ids: torch.Tensor, active: int, local_experts: int,
-               group: Optional["dist.ProcessGroup"]) -> Route:
+               group: Optional["dist.ProcessGroup"], agreed: Optional[Dict[str, object]] = None) -> Route:
     """Routes the first `active` rows of expert_ids [BS, K] (ids < 0 are skipped) and, with a
-    group, exchanges the per-rank pair counts."""
+    group, exchanges the per-rank pair counts together with `agreed` (what every rank must share,
+    see `_exchange.agree`): every rank raises if a peer disagrees or announces impossible counts."""
     topk = expert_ids.shape[1]
     flat = expert_ids[:active].reshape(-1).to(torch.int64)
     pos = torch.nonzero(flat >= 0).squeeze(1)
@@ -52,9 +53,38 @@ def plan_route(op: str, expert_ids: torch.Tensor, active: int, local_experts: in
     if group is None:
         return Route(pos, token, expert, [pos.numel()], [pos.numel()], None)
     ranks = dist.get_world_size(group)
-    send = torch.bincount(torch.div(expert, local_experts, rounding_mode="floor"), minlength=ranks)
-    recv = _exchange.exchange_counts(send, group, op)
-    return Route(pos, token, expert, send.tolist(), recv.tolist(), group)
+    send = torch.bincount(torch.div(expert, local_experts, rounding_mode="floor"), minlength=ranks).tolist()
+    recv = exchange_counts(op, group, send, active * topk, agreed or {})
+    return Route(pos, token, expert, send, recv, group)
+
+
+def exchange_counts(op: str, group: "dist.ProcessGroup", send: List[int], most: int,
+                    agreed: Dict[str, object]) -> List[int]:
+    """send: [R] rows for each destination rank, at most `most` in all -> [R] rows from each
+    source, after `_exchange.agree` on `agreed`. A source whose counts are negative or exceed
+    its own bound (a peer that does not follow the protocol) fails the call on every rank."""
+    table = _exchange.agree(op, group, agreed, [most, *send])
+    for source, (bound, *counts) in enumerate(table):
+        if min(counts) < 0 or sum(counts) > bound:
+            raise RuntimeError(f"{op}: rank {source} announced row counts {counts} for at most {bound} rows: a peer "
+                               "that does not follow the protocol; no rank runs the call")
+    me = dist.get_rank(group)
+    return [counts[1 + me] for counts in table]
+
+
+def refuse(op: str, group: Optional["dist.ProcessGroup"], agreed_labels: Sequence[str], error: BaseException) -> None:
+    """This rank's own checks failed with `error`: tell the peers in the exchange they are
+    waiting in (`plan_route` / `exchange_counts` with the same labels), so they raise at once,
+    then raise `error` (directly without a group)."""
+    if group is None:
+        raise error
+    ranks = dist.get_world_size(group)
+    try:
+        _exchange.agree(op, group, dict.fromkeys(agreed_labels), [0] * (ranks + 1), refused=error)
+    except BaseException as exchange_error:
+        if exchange_error is error:
+            raise
+        raise error from exchange_error
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -86,9 +116,22 @@ def send_rows(op: str, route: Route, rows: torch.Tensor, scale: Optional[torch.T
         return Received(rows, scale, local, torch.zeros_like(local), route.pos)
     columns = [rows, local.to(torch.int32), route.pos.to(torch.int32)] + ([scale] if scale is not None else [])
     recv = exchange_columns(op, "token dispatch", route.group, columns, route.send_counts, route.recv_counts)
+    check_local_experts(op, recv[1], local_experts, sources=route.recv_counts)
     sources = torch.repeat_interleave(torch.arange(len(route.recv_counts)), torch.tensor(route.recv_counts))
     return Received(recv[0], recv[3] if scale is not None else None, recv[1].to(torch.int64), sources,
                     recv[2].to(torch.int64))
+
+
+def check_local_experts(op: str, local: torch.Tensor, local_experts: int, sources: Sequence[int]) -> None:
+    """Local expert ids received from peers must lie in [0, E_loc) before they index weights."""
+    if local.numel() == 0:
+        return
+    low, high = (int(v) for v in torch.aminmax(local))
+    if low < 0 or high >= local_experts:
+        bad = int(torch.nonzero((local < 0) | (local >= local_experts))[0])
+        source = int(torch.searchsorted(torch.tensor(sources).cumsum(0), bad, right=True))
+        raise RuntimeError(f"{op}: rank {source} sent a row for local expert {int(local[bad])}, outside [0, "
+                           f"{local_experts}): the ranks disagree on moe_expert_num / ep_rank_size")
 
 
 def return_rows(op: str, route: Route, y: torch.Tensor) -> torch.Tensor:

@@ -200,19 +200,14 @@ def _group(op: str, name: str, roles: Roles, atten_arg: str) -> "dist.ProcessGro
 
 
 def _agreed_batches(op: str, group: "dist.ProcessGroup", agreed: Dict[str, int], batch: int) -> List[int]:
-    """All-gathers `agreed` (argument -> value, the same on every rank) and this rank's batch;
-    raises the same ValueError on every rank if an argument differs. Returns the batches by rank."""
-    mine = torch.tensor([*agreed.values(), batch], dtype=torch.int64)
-    world = dist.get_world_size(group)
-    gathered = [torch.empty_like(mine) for _ in range(world)]
-    _exchange.wait(dist.all_gather(gathered, mine, group=group, async_op=True), op, "size exchange", group)
-    table = torch.stack(gathered).tolist()
-    for column, arg in enumerate(agreed):
-        values = [row[column] for row in table]
-        if len(set(values)) > 1:
-            check.fail(op, arg, f"the same value on all {world} ranks of group_ep {group.group_name!r}",
-                       "by rank " + str(dict(enumerate(values))))
-    return [row[-1] for row in table]
+    """`_exchange.agree` on `agreed` (argument -> value, the same on every rank) with this rank's
+    batch; returns the batches by rank, each checked to be in [0, 2^31)."""
+    batches = [row[0] for row in _exchange.agree(op, group, agreed, [batch])]
+    bad = {r: b for r, b in enumerate(batches) if not 0 <= b < 2**31}
+    if bad:
+        raise RuntimeError(f"{op}: rank(s) {sorted(bad)} announced impossible batches {bad}: a peer that does not "
+                           "follow the protocol")
+    return batches
 
 
 def _tag(op: OpInfo, slot: int, field: int) -> int:

@@ -130,17 +130,17 @@ def _check_strict(info: OpInfo, sendData: torch.Tensor, members: int, commId: in
 # ----------------------------------------------------------------------------------------------
 def _wait_all(name: str, comm: Communicator, works: Sequence[Tuple[object, int]], what: str) -> None:
     limit = _exchange.timeout_seconds()
-    deadline = time.monotonic() + limit
+    start = time.monotonic()
     for work, peer in works:
-        remaining = max(deadline - time.monotonic(), 1e-3)
+        remaining = max(start + limit - time.monotonic(), 1e-3)
         try:
             work.wait(datetime.timedelta(seconds=remaining))
         except RuntimeError as err:
             raise RuntimeError(
-                f"{name}: {what} with rank {peer} of communicator {comm.comm_id} (this is rank {comm.rank} of "
-                f"{comm.size}) did not complete within {limit:g} s (CAM_JIT_COMM_TIMEOUT); every rank must call "
-                f"the detour ops on the communicator in the same order. Free and recreate the communicator. "
-                f"Cause: {err}"
+                _exchange.failure_text(name, f"{what} with rank {peer} of communicator {comm.comm_id} (this is rank "
+                                             f"{comm.rank} of {comm.size})", start, limit, err)
+                + "; every rank must call the detour ops on the communicator in the same order. Free and recreate "
+                f"the communicator. Cause: {err}"
             ) from err
 
 

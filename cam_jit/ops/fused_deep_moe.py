@@ -7,7 +7,7 @@ The CPU implementation dispatches quantised tokens to the ranks that own their e
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -301,17 +301,33 @@ def _expert_ffn(kernels, layout: Layout, rows, scale, group_sizes, w1, s1, b1, w
     return kernels.expert_ffn_w8a8(rows, scale, group_sizes, w1, s1, w2, s2, dtype)
 
 
+AGREED = ("x.shape[1]", "x.dtype", "expert_ids.shape[1]", "moe_expert_num", "gmm1_weight.dtype", "gmm2_weight (I)",
+          "quant_mode")
+
+
+def agreed_values(layout: Layout, x: torch.Tensor, weight_dtype: torch.dtype, moe_expert_num: int,
+                  quant_mode: int) -> Dict[str, object]:
+    """What every rank of the EP group must pass alike, by AGREED label: the sizes and dtypes
+    that fix the layout of the rows they exchange and the experts they address."""
+    return dict(zip(AGREED, (layout.hidden, x.dtype, layout.topk, moe_expert_num, weight_dtype, layout.inter,
+                             quant_mode)))
+
+
 def _cpu(x, expert_ids, gmm1_weight, gmm1_weight_scale, gmm2_weight, gmm2_weight_scale, expert_scales,
          share_gmm1_weight, share_gmm1_weight_scale, share_gmm2_weight, share_gmm2_weight_scale,
          expert_smooth_scales, share_smooth_scales, x_active_mask, gmm1_bias, gmm2_bias, share_gmm1_bias,
          share_gmm2_bias, group_ep, ep_rank_size, ep_rank_id, moe_expert_num, quant_mode, global_bs):
-    layout = validate(**locals())
-    active = layout.batch if x_active_mask is None else int(x_active_mask.sum())
-    routed_ids = expert_ids[:active]
-    _check_expert_ids(routed_ids, moe_expert_num)
+    check.expert_parallel(OP, "ep_rank_size", ep_rank_size, ep_rank_id, moe_expert_num, global_bs)
     group = resolve_group(OP, group_ep, ep_rank_size, ep_rank_id) if ep_rank_size > 1 else None
+    try:
+        layout = validate(**{k: v for k, v in locals().items() if k != "group"})
+        active = layout.batch if x_active_mask is None else int(x_active_mask.sum())
+        _check_expert_ids(expert_ids[:active], moe_expert_num)
+    except (TypeError, ValueError) as err:
+        _moe_cpu.refuse(OP, group, AGREED, err)
+    agreed = agreed_values(layout, x, gmm1_weight[0].dtype, moe_expert_num, quant_mode)
     kernels = cpu_kernels()
-    route = _moe_cpu.plan_route(OP, expert_ids, active, layout.local_experts, group)
+    route = _moe_cpu.plan_route(OP, expert_ids, active, layout.local_experts, group, agreed)
     smooth = expert_smooth_scales
     q, q_scale = kernels.quantize_rows(x, smooth, route.token, route.expert if smooth is not None else None)
     received = _moe_cpu.send_rows(OP, route, q, q_scale, layout.local_experts)

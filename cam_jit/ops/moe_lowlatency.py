@@ -18,7 +18,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from cam_jit.ops import _checks as check
-from cam_jit.ops import _exchange, _moe_cpu
+from cam_jit.ops import _moe_cpu
 from cam_jit.ops._kernels import cpu_kernels
 from cam_jit.ops._registry import OpInfo, define_op
 from cam_jit.ops.groups import group_ep_name, resolve_group
@@ -93,14 +93,24 @@ def _dispatch_fake(x, expert_ids, scales, x_active_mask, group_ep, ep_rank_size,
     )
 
 
+DISPATCH_AGREED = ("x.shape[1]", "x.dtype", "expert_ids.shape[1]", "moe_expert_num", "quant_mode")
+COMBINE_AGREED = ("expand_x.shape[1]", "expand_x.dtype", "expert_ids.shape[1]", "moe_expert_num")
+
+
 def _dispatch_cpu(x, expert_ids, scales, x_active_mask, group_ep, ep_rank_size, ep_rank_id, moe_expert_num,
                   quant_mode, global_bs):
-    local_experts, capacity = _validate_dispatch(**locals())
     op = DISPATCH_OP
-    active = x.shape[0] if x_active_mask is None else int(x_active_mask.sum())
-    check.expert_ids_in_range(op, expert_ids[:active], moe_expert_num)
+    check.expert_parallel(op, "ep_rank_size", ep_rank_size, ep_rank_id, moe_expert_num, global_bs)
     group = resolve_group(op, group_ep, ep_rank_size, ep_rank_id) if ep_rank_size > 1 else None
-    route = _moe_cpu.plan_route(op, expert_ids, active, local_experts, group)
+    try:
+        local_experts, capacity = _validate_dispatch(x, expert_ids, scales, x_active_mask, group_ep, ep_rank_size,
+                                                     ep_rank_id, moe_expert_num, quant_mode, global_bs)
+        active = x.shape[0] if x_active_mask is None else int(x_active_mask.sum())
+        check.expert_ids_in_range(op, expert_ids[:active], moe_expert_num)
+    except (TypeError, ValueError) as err:
+        _moe_cpu.refuse(op, group, DISPATCH_AGREED, err)
+    agreed = dict(zip(DISPATCH_AGREED, (x.shape[1], x.dtype, expert_ids.shape[1], moe_expert_num, quant_mode)))
+    route = _moe_cpu.plan_route(op, expert_ids, active, local_experts, group, agreed)
     if quant_mode == 2:
         rows, scale = cpu_kernels().quantize_rows(x, scales, route.token, route.expert if scales is not None else None)
     else:
@@ -162,26 +172,31 @@ def _combine_fake(expand_x, expert_ids, assist_info_for_combine, ep_send_counts,
 
 def _combine_cpu(expand_x, expert_ids, assist_info_for_combine, ep_send_counts, expert_scales, x_active_mask,
                  group_ep, ep_rank_size, ep_rank_id, moe_expert_num, global_bs):
-    _validate_combine(**locals())
     op = COMBINE_OP
-    batch, topk = expert_ids.shape
-    count = int(ep_send_counts[-1]) if ep_send_counts.numel() else 0
-    if not 0 <= count <= expand_x.shape[0]:
-        check.fail(op, "ep_send_counts", f"a last (total) entry in [0, {expand_x.shape[0]}]", count)
-    source = assist_info_for_combine[:count, 0].to(torch.int64)
-    pos = (assist_info_for_combine[:count, 1].to(torch.int64) * topk
-           + assist_info_for_combine[:count, 2].to(torch.int64))
-    if count and (int(source.min()) < 0 or int(source.max()) >= ep_rank_size):
-        check.fail(op, "assist_info_for_combine", f"source ranks in [0, {ep_rank_size})",
-                   f"min {int(source.min())}, max {int(source.max())}")
+    check.expert_parallel(op, "ep_rank_size", ep_rank_size, ep_rank_id, moe_expert_num, global_bs)
+    group = resolve_group(op, group_ep, ep_rank_size, ep_rank_id) if ep_rank_size > 1 else None
+    try:
+        _validate_combine(expand_x, expert_ids, assist_info_for_combine, ep_send_counts, expert_scales,
+                          x_active_mask, group_ep, ep_rank_size, ep_rank_id, moe_expert_num, global_bs)
+        batch, topk = expert_ids.shape
+        count = int(ep_send_counts[-1]) if ep_send_counts.numel() else 0
+        if not 0 <= count <= expand_x.shape[0]:
+            check.fail(op, "ep_send_counts", f"a last (total) entry in [0, {expand_x.shape[0]}]", count)
+        source = assist_info_for_combine[:count, 0].to(torch.int64)
+        pos = (assist_info_for_combine[:count, 1].to(torch.int64) * topk
+               + assist_info_for_combine[:count, 2].to(torch.int64))
+        if count and (int(source.min()) < 0 or int(source.max()) >= ep_rank_size):
+            check.fail(op, "assist_info_for_combine", f"source ranks in [0, {ep_rank_size})",
+                       f"min {int(source.min())}, max {int(source.max())}")
+    except (TypeError, ValueError) as err:
+        _moe_cpu.refuse(op, group, COMBINE_AGREED, err)
     order = torch.sort(source, stable=True).indices
     rows, pos = expand_x[:count][order], pos[order]
-    if ep_rank_size > 1:
-        group = resolve_group(op, group_ep, ep_rank_size, ep_rank_id)
-        send_counts = torch.bincount(source, minlength=ep_rank_size)
-        recv_counts = _exchange.exchange_counts(send_counts, group, op)
-        rows, pos = _moe_cpu.exchange_columns(op, "result combine", group, [rows, pos],
-                                              send_counts.tolist(), recv_counts.tolist())
+    if group is not None:
+        agreed = dict(zip(COMBINE_AGREED, (expand_x.shape[1], expand_x.dtype, topk, moe_expert_num)))
+        send_counts = torch.bincount(source, minlength=ep_rank_size).tolist()
+        recv_counts = _moe_cpu.exchange_counts(op, group, send_counts, count, agreed)
+        rows, pos = _moe_cpu.exchange_columns(op, "result combine", group, [rows, pos], send_counts, recv_counts)
     if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= batch * topk):
         check.fail(op, "assist_info_for_combine", f"(token, k) slots inside this rank's [{batch}, {topk}] routing",
                    f"slot {int(pos.max())}")

@@ -3,9 +3,10 @@ peers' segments of the symmetric heap (docs/semantics.md §5.2, "CPU design").
 
 Every rank's ext-info region holds at byte 2048 its doorbell, a 32-bit futex word that each
 signal to it increments (waiters sleep on it), and from byte 4096 control slots of 64 bytes,
-three int64 words each: the flag (the call's sequence number, 1, 2, ... per buffer; stored last with release
-semantics), a row count (negative: the sender refused the call, see REJECTED) and a tag (the row
-size in bytes, so ranks that disagree on H or dtype fail instead of misreading rows). Rank r's
+eight int64 words each: the flag (the call's sequence number, 1, 2, ... per buffer; stored last with
+release semantics), a row count (negative: the sender refused the call, see REJECTED) and the
+sender's agreed values (H, dtype, K, E, I, quant mode: ranks that disagree all raise, naming the
+argument and each rank's value, before anyone reads a row). Rank r's
 signals to this rank for call n land in
     dispatch slot  (n % 2) * R + r        (rows from source r are in place),
     combine slot   2R + (n % 2) * R + r   (results from expert rank r are in place),
@@ -13,7 +14,8 @@ signals to this rank for call n land in
 
 Workspace of every rank, for a call with R ranks, hidden size H and activation dtype D:
     dispatch area: R slices of `cap` rows of `disp_row` bytes (slice s: rows from source s),
-                   a row = int8 [H] | f32 scale | i32 local expert | i32 position t*K+k, padded to 16;
+                   a row = int8 [H] | f32 scale | i32 local expert | i32 position t*K+k | i32 call
+                   number, padded to 16 (a count above what was sent finds an old call's row);
     combine area:  R slices of `cap` rows of H x D (slice d: expert results from rank d).
 with cap = workspace bytes // (R * (disp_row + H * D.itemsize)).
 
@@ -30,15 +32,17 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from cam_jit.ops import _exchange
 from cam_jit.zero_buffer._heap import EXT_INFO_BYTES, Heap, zb_kernels
 
 DOORBELL_OFFSET = 2048  # a 32-bit futex word per rank, rung by every signal to it
 CTRL_OFFSET = 4096
 SLOT_BYTES = 64
+META_WORDS = SLOT_BYTES // 8 - 2  # agreed values a signal carries after its flag and count
 MAX_RANKS = (EXT_INFO_BYTES - CTRL_OFFSET) // (5 * SLOT_BYTES)
 POLL_SECONDS = 0.05  # how often a wait checks that the ranks it waits for are alive
 REJECTED = {-1: "it failed before sending, e.g. on invalid arguments (see the error on that rank)",
@@ -62,7 +66,7 @@ class Geometry:
 
 
 def geometry(ranks: int, hidden: int, dtype: torch.dtype, workspace_bytes: int) -> Geometry:
-    disp_row = (hidden + 12 + 15) // 16 * 16
+    disp_row = (hidden + 16 + 15) // 16 * 16
     comb_row = hidden * dtype.itemsize
     return Geometry(hidden, disp_row, comb_row, workspace_bytes // (ranks * (disp_row + comb_row)), ranks)
 
@@ -107,11 +111,11 @@ class Transport:
         index = self._first_slot(kind) + self.rank
         return [self.heap.ext_info(d) + CTRL_OFFSET + index * SLOT_BYTES for d in range(self.ranks)]
 
-    def _received(self, kind: str) -> Tuple[List[int], List[int]]:
-        """(counts, tags) of the slots where every rank signalled this rank."""
+    def _received(self, kind: str) -> Tuple[List[int], List[List[int]]]:
+        """(counts, meta words) of the slots where every rank signalled this rank."""
         first = self._first_slot(kind)
         rows = self._slots[first:first + self.ranks]
-        return rows[:, 1].tolist(), rows[:, 2].tolist()
+        return rows[:, 1].tolist(), rows[:, 2:].tolist()
 
     def begin(self, timeout: float) -> None:
         if self.broken is not None:
@@ -128,7 +132,7 @@ class Transport:
     def reject(self, code: int) -> None:
         """Tells every peer that this rank refuses the call, and waits for their dispatch signals
         so the next call starts in step (a timeout here is left to the caller's own error)."""
-        self.kernels.publish(self._outbox("dispatch"), [code] * self.ranks, 0, self.seq, self._bells)
+        self.kernels.publish(self._outbox("dispatch"), [code] * self.ranks, [], self.seq, self._bells)
         self._state = "over"
         try:
             self._wait(self._inbox("dispatch"), "token dispatch")
@@ -136,25 +140,42 @@ class Transport:
             pass
 
     def dispatch(self, geo: Geometry, q: torch.Tensor, scale: torch.Tensor, expert: torch.Tensor, pos: torch.Tensor,
-                 send_counts: List[int], local_experts: int) -> List[int]:
-        """Writes each pair's row into its destination's dispatch area and signals every peer;
-        returns the row counts received from each source. Pairs in route order (grouped by
-        destination rank, send_counts[d] for rank d): q [P, H] int8, scale [P] float32, expert
-        [P] int64 global expert ids, pos [P] int64 positions t*K+k."""
+                 send_counts: List[int], local_experts: int, agreed: Dict[str, object]) -> List[int]:
+        """Writes each pair's row into its destination's dispatch area and signals every peer
+        with `agreed` (label -> value every rank must share, at most META_WORDS); returns the row
+        counts received from each source. Pairs in route order (grouped by destination rank,
+        send_counts[d] for rank d): q [P, H] int8, scale [P] float32, expert [P] int64 global
+        expert ids, pos [P] int64 positions t*K+k."""
         dest = [self.heap.workspace(d) + self.rank * geo.cap * geo.disp_row for d in range(self.ranks)]
-        self.kernels.put_rows(dest, q, scale, expert, pos, send_counts, local_experts, geo.disp_row)
-        self.kernels.publish(self._outbox("dispatch"), send_counts, geo.disp_row, self.seq, self._bells)
+        self.kernels.put_rows(dest, q, scale, expert, pos, send_counts, local_experts, geo.disp_row, self.seq)
+        meta = [_exchange.encode_value(v) for v in agreed.values()]
+        self.kernels.publish(self._outbox("dispatch"), send_counts, meta, self.seq, self._bells)
         self._state = "dispatched"
         self._wait(self._inbox("dispatch"), "token dispatch")
-        counts, tags = self._received("dispatch")
+        counts, metas = self._received("dispatch")
         rejected = {s: c for s, c in enumerate(counts) if c < 0}
         if rejected:
             self._state = "over"
             reasons = "; ".join(f"rank {s}: {REJECTED.get(c, f'code {c}')}" for s, c in sorted(rejected.items()))
             raise RuntimeError(f"{self.where}: peer rank(s) {sorted(rejected)} refused this call, so no rank runs it "
                                f"({reasons})")
-        self._check_tags(tags, geo.disp_row, "dispatch row")
+        self._check_agreement(agreed, metas)
+        over = {s: c for s, c in enumerate(counts) if c > geo.cap}
+        if over:
+            self._fail(f"rank(s) {sorted(over)} announced {over} rows, more than the {geo.cap} a slice holds: a peer "
+                       "that does not follow the protocol")
         return counts
+
+    def _check_agreement(self, agreed: Dict[str, object], metas: List[List[int]]) -> None:
+        """Every rank signalled the same agreed values: otherwise every rank raises the same
+        ValueError here, before reading a row, and the buffer stays usable."""
+        for column, (label, value) in enumerate(agreed.items()):
+            by_rank = [meta[column] for meta in metas]
+            if len(set(by_rank)) > 1:
+                self._state = "over"
+                shown = ", ".join(f"{r}: {_exchange.describe_value(c, value)}" for r, c in enumerate(by_rank))
+                raise ValueError(f"{self.where}: argument '{label}': expected the same value on all {self.ranks} "
+                                 f"ranks of the buffer, got by rank {{{shown}}}")
 
     def receive(self, geo: Geometry, counts: List[int], local_experts: int):
         """The rows that arrived (counts[s] from source s), grouped by local expert, stably in
@@ -162,24 +183,24 @@ class Transport:
         [M] float32, order [M] int64 = received index of each grouped row, expert_token_nums
         [E_loc] int64). Copies out of the heap: the area is free again afterwards."""
         return self.kernels.take_rows(self.heap.workspace(self.rank), counts, geo.cap, geo.disp_row, geo.hidden,
-                                      local_experts)
+                                      local_experts, self.seq)
 
     # -- combine ---------------------------------------------------------------------------------
     def send_results(self, geo: Geometry, y: torch.Tensor, order: torch.Tensor, counts: List[int]) -> None:
         """Writes expert results y [M, H] (grouped as `receive` returned them) into their
-        sources' combine areas and signals every source."""
+        sources' combine areas and signals every source (meta: the row size)."""
         dest = [self.heap.workspace(s) + geo.comb_base + self.rank * geo.cap * geo.comb_row
                 for s in range(self.ranks)]
         self.kernels.put_results(dest, y.contiguous(), order, counts)
-        self.kernels.publish(self._outbox("combine"), counts, geo.comb_row, self.seq, self._bells)
+        self.kernels.publish(self._outbox("combine"), counts, [geo.comb_row], self.seq, self._bells)
 
     def results(self, geo: Geometry, dtype: torch.dtype, send_counts: List[int]) -> torch.Tensor:
         """Waits for every expert rank's results; returns the combine area as [R * cap, H] of
         dtype (a view of shared memory, valid until this rank's next call): the result of the
         j-th pair sent to rank d is row d * cap + j (see `pair_rows`)."""
         self._wait(self._inbox("combine"), "result combine")
-        counts, tags = self._received("combine")
-        self._check_tags(tags, geo.comb_row, "combine row")
+        counts, metas = self._received("combine")
+        self._check_tags([meta[0] for meta in metas], geo.comb_row, "combine row")
         if counts != send_counts:
             self._fail(f"expert ranks returned {counts} rows where this rank sent {send_counts}")
         base = self.heap.workspace(self.rank) + geo.comb_base
@@ -205,7 +226,7 @@ class Transport:
             return
         self.broken = f"rank {self.rank} failed during call {self.seq}: {type(error).__name__}: {error}"
         self._state = "over"
-        self.kernels.publish(self._outbox("abort"), [0] * self.ranks, 0, self.seq, self._bells)
+        self.kernels.publish(self._outbox("abort"), [0] * self.ranks, [], self.seq, self._bells)
 
     def _wait(self, slots: List[int], what: str) -> None:
         deadline = time.monotonic() + self.timeout
@@ -239,6 +260,6 @@ class Transport:
         """Marks the buffer unusable, tells every peer (abort notice) and raises PeerFailure."""
         self.broken = why
         self._state = "over"
-        self.kernels.publish(self._outbox("abort"), [0] * self.ranks, 0, self.seq, self._bells)
+        self.kernels.publish(self._outbox("abort"), [0] * self.ranks, [], self.seq, self._bells)
         raise PeerFailure(f"{self.where}: rank {self.rank} of {self.ranks}: {why}; this buffer is now unusable "
                           "(close() it and init() a new one on every rank)")

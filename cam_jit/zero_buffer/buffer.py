@@ -17,7 +17,7 @@ from cam_jit.ops import _checks as check
 from cam_jit.ops import _exchange, _moe_cpu
 from cam_jit.ops._kernels import cpu_kernels
 from cam_jit.ops._strict import strict_enabled
-from cam_jit.ops.fused_deep_moe import Layout, _check_expert_ids, shared_expert_output, validate
+from cam_jit.ops.fused_deep_moe import Layout, _check_expert_ids, agreed_values, shared_expert_output, validate
 from cam_jit.zero_buffer import _strict
 from cam_jit.zero_buffer._heap import EXT_INFO_BYTES, Heap, parse_ip_port
 from cam_jit.zero_buffer._npu import NPU_DEVICE, NpuHeap, npu_present
@@ -62,7 +62,7 @@ class FusedDeepMoeBuffer:
             num_ranks: R, the ranks of the expert-parallel group (every rank's ep_rank_size).
             memsize: bytes of this rank's segment, > 2 MiB: the 2 MiB ext-info region, then the
                 workspace (memsize - 2 MiB). The segment is sparse: only touched pages use memory.
-                A call needs memsize >= 2 MiB + R * P * (ceil16(H + 12) + H * x.element_size()),
+                A call needs memsize >= 2 MiB + R * P * (ceil16(H + 16) + H * x.element_size()),
                 P = the most (token, expert) pairs one rank sends to one rank (<= BS * K); a call
                 that needs more is refused on every rank, naming the memsize it needs. Strict
                 mode also applies the NPU's workspace formula (docs/semantics.md §5.2).
@@ -274,7 +274,9 @@ def _run(transport: Transport, a: dict, layout: Layout, active: int) -> List[tor
         raise ValueError(_capacity_message(transport, geo, send_counts))
     smooth = a["expert_smooth_scales"]
     q, q_scale = kernels.quantize_rows(x, smooth, route.token, route.expert if smooth is not None else None)
-    recv_counts = transport.dispatch(geo, q, q_scale, route.expert, route.pos, send_counts, e_loc)
+    agreed = agreed_values(layout, x, torch.int8, a["moe_expert_num"], a["quant_mode"])
+    del agreed["gmm1_weight.dtype"]  # the buffer is W8A8 only
+    recv_counts = transport.dispatch(geo, q, q_scale, route.expert, route.pos, send_counts, e_loc, agreed)
     rows, scale, order, expert_token_nums = transport.receive(geo, recv_counts, e_loc)
     y = kernels.expert_ffn_w8a8(rows, scale, expert_token_nums.tolist(), a["gmm1_weight"], a["gmm1_weight_scale"],
                                 a["gmm2_weight"], a["gmm2_weight_scale"], x.dtype)
