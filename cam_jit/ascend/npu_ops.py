@@ -24,6 +24,7 @@ import torch
 from cam_jit.ascend import build, discover, hccl, opp, registry
 
 TENSOR_API_LIBS = ("lib64/libnnopbase.so", "lib/libnnopbase.so")  # under the CANN home
+ERROR_TEXT_LIBS = ("lib64/libascendcl.so", "lib/libascendcl.so")  # aclGetRecentErrMsg's home
 
 
 @dataclass
@@ -40,11 +41,13 @@ _LOCK = threading.Lock()
 
 
 def search_libraries() -> List[str]:
-    """The aclnn libraries to search, in order, then CANN's tensor-API library."""
+    """The aclnn libraries to search, in order, then CANN's tensor-API library and the library
+    defining aclGetRecentErrMsg (the opapi libraries need not export it)."""
     cann = discover.find_cann()
     libs = opp.library_search_order(opp.find_vendors(cann), cann)
     if cann.home is not None:
-        libs += [cann.home / p for p in TENSOR_API_LIBS if (cann.home / p).is_file()][:1]
+        for candidates in (TENSOR_API_LIBS, ERROR_TEXT_LIBS):
+            libs += [cann.home / p for p in candidates if (cann.home / p).is_file()][:1]
     return [str(p) for p in libs]
 
 

@@ -4,8 +4,8 @@ tensors, and the executing kernels.
 * :func:`build_sim` compiles ``sim_opapi.c`` (one variant per set of macros) and :class:`Sim`
   drives it with ctypes: its call log, live handle count, statuses, and the kernel callback.
 * :func:`build_harness` builds the real ``wrappers/*.cpp`` (minus the torch_npu runtime) with
-  ``test_runtime.cpp`` into the op namespace ``_cam_jit_npu_test``; with ``shmem=True`` also
-  ``zb_shmem.cpp`` against the stand-in SHMEM (``shmem/include/shmem.h``, ``sim_shmem.c``).
+  ``test_runtime.cpp`` into the op namespace ``_cam_jit_npu_test``, ``zb_shmem.cpp`` included and
+  linked to the stand-in SHMEM (``shmem/include/shmem.h``, ``sim_shmem.c``).
 * :func:`executing` makes a Sim's launches run :data:`KERNELS`: each rebuilds its arguments from
   nothing but the ACL descriptors the wrapper passed (data address, dtype, view shape, strides,
   storage offset, format, storage dims: :func:`tensor_of`), checks them as the device kernel would
@@ -25,9 +25,12 @@ An aclnn function added to ``sim_opapi.c`` gets its executing kernel by adding a
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
+import os
 import shutil
 import subprocess
+import tempfile
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
@@ -67,11 +70,18 @@ def build_sim(out_dir: Path, name: str, *flags: str) -> Path:
     return path
 
 
-def build_shmem(out_dir: Path) -> Path:
-    """The stand-in SHMEM library, ``<out_dir>/libshmem.so``."""
-    path = Path(out_dir) / "libshmem.so"
-    subprocess.run([compiler(), "-shared", "-fPIC", "-O1", f"-I{SIM_DIR / 'shmem' / 'include'}",
-                    "-o", str(path), str(SIM_DIR / "sim_shmem.c")], check=True, capture_output=True)
+def shmem_library() -> Path:
+    """The stand-in SHMEM library, compiled once per content into a per-user temporary directory
+    (a stable path, so the harness linking it stays cached by the JIT engine across sessions)."""
+    sources = (SIM_DIR / "sim_shmem.c", SIM_DIR / "shmem" / "include" / "shmem.h")
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:16]
+    path = Path(tempfile.gettempdir()) / f"cam_jit_npu_sim_{os.getuid()}" / digest / "libshmem.so"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"libshmem.{os.getpid()}.so")
+        subprocess.run([compiler(), "-shared", "-fPIC", "-O1", f"-I{sources[1].parent}", "-o", str(partial),
+                        str(sources[0])], check=True, capture_output=True)
+        os.replace(partial, path)
     return path
 
 
@@ -98,28 +108,27 @@ class Sim:
         return self.lib.sim_live_handles()
 
 
-def build_harness(shmem_lib: Path = None):
-    """The wrapper library for tests (cached by the JIT engine like any backend); with
-    ``shmem_lib`` (from :func:`build_shmem`), also the SHMEM heap wrapper linked to it. Returns
-    (the op namespace, the library as ctypes)."""
+def build_harness():
+    """The wrapper library for tests (cached by the JIT engine like any backend), with the SHMEM
+    heap wrapper linked to the stand-in SHMEM (:func:`shmem_library`). Returns (the op namespace,
+    the library as ctypes); the stand-in SHMEM is loaded for the kernels' checks too."""
     from cam_jit import jit
 
+    shmem = shmem_library()
     sources = [p for p in sorted(WRAPPERS.glob("*.cpp")) if p.name != "npu_runtime.cpp"]
-    cflags, ldflags, name = [f"-DCAM_JIT_NPU_NS={NS}"], ["-ldl"], "cam_jit_npu_test"
-    if shmem_lib is not None:
-        cflags += ["-DCAM_JIT_WITH_SHMEM", f"-I{SIM_DIR / 'shmem' / 'include'}"]
-        ldflags += [f"-L{shmem_lib.parent}", "-lshmem", f"-Wl,-rpath,{shmem_lib.parent}"]
-        name = "cam_jit_npu_test_shmem"
-    spec = jit.BuildSpec(backend="npu_sim", name=name, root=REPO,
+    spec = jit.BuildSpec(backend="npu_sim", name="cam_jit_npu_test", root=REPO,
                          sources=(*sources, SIM_DIR / "test_runtime.cpp"),
-                         headers=tuple(sorted(WRAPPERS.glob("*.h"))) + (SIM_DIR / "shmem" / "include" / "shmem.h",),
-                         include_dirs=(WRAPPERS,), cflags=("-O0", *cflags), ldflags=tuple(ldflags),
-                         extra_key={"shmem_lib": str(shmem_lib)} if shmem_lib else {})
+                         headers=(*sorted(WRAPPERS.glob("*.h")), SIM_DIR / "shmem" / "include" / "shmem.h"),
+                         include_dirs=(WRAPPERS,),
+                         cflags=("-O0", f"-DCAM_JIT_NPU_NS={NS}", "-DCAM_JIT_WITH_SHMEM",
+                                 f"-I{SIM_DIR / 'shmem' / 'include'}"),
+                         ldflags=("-ldl", f"-L{shmem.parent}", "-lshmem", f"-Wl,-rpath,{shmem.parent}"))
     lib = ctypes.CDLL(str(jit.load_spec(spec).library))
     lib.cam_jit_test_set_storage_format.argtypes = [
         ctypes.c_size_t, ctypes.c_int32, ctypes.POINTER(ctypes.c_int64), ctypes.c_uint64]
     lib.cam_jit_test_run_queue.restype = ctypes.c_int64
     lib.cam_jit_test_queue_error.restype = ctypes.c_char_p
+    use_shmem(shmem)
     return getattr(torch.ops, NS), lib
 
 
@@ -191,7 +200,8 @@ SHMEM: List[ctypes.CDLL] = []  # the stand-in SHMEM library, once loaded (:func:
 
 
 def use_shmem(path: Path) -> ctypes.CDLL:
-    """Loads the stand-in SHMEM library (the one the harness links) for the kernels' checks."""
+    """Loads the stand-in SHMEM library (the one the harness links: the same instance) for the
+    kernels' checks and the tests."""
     lib = ctypes.CDLL(str(path))
     lib.sim_shmem_log.restype = ctypes.c_char_p
     lib.sim_shmem_live.restype = ctypes.c_long
