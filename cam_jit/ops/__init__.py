@@ -22,6 +22,7 @@ from cam_jit.ops.groups import register_group
 from cam_jit.ops.moe_lowlatency import moe_combine_lowlatency, moe_dispatch_lowlatency
 from cam_jit.ops.moe_normal import moe_combine_normal, moe_dispatch_layout, moe_dispatch_normal, moe_notify_dispatch
 from cam_jit.ops.moe_prefill import MoePrefillHandle, moe_combine_prefill, moe_dispatch_prefill
+from cam_jit.ops.prepared_weights import clear_prepared_weights, prepare_expert_weights, prepared_weights_bytes
 from cam_jit.ops.weights import (nd_to_nz, nz_to_nd, pack_int4, permute_gmm1_weight, unpack_int4,
                                  unpermute_gmm1_weight, w4a8_compensation_bias)
 
@@ -62,7 +63,7 @@ __all__ = [
     "cam_get_comm", "cam_free_comm", "cam_get_rank_size", "cam_get_and_increase_magic", "cam_get_magic",
     # weight helpers
     "pack_int4", "unpack_int4", "w4a8_compensation_bias", "permute_gmm1_weight", "unpermute_gmm1_weight",
-    "nd_to_nz", "nz_to_nd",
+    "nd_to_nz", "nz_to_nd", "prepare_expert_weights", "prepared_weights_bytes", "clear_prepared_weights",
     # configuration and introspection
     "describe_ops", "register_ge_converters", "register_group", "set_strict",
 ]

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from cam_jit.ops import _exchange
+from cam_jit.ops._kernels import cpu_kernels
 
 
 @dataclasses.dataclass
@@ -22,6 +23,8 @@ class Route:
     pos: torch.Tensor  # [P] int64, t*K + k
     token: torch.Tensor  # [P] int64, t
     expert: torch.Tensor  # [P] int64, global expert id
+    expert_counts: torch.Tensor  # [E] int64, pairs per global expert
+    pair_rows: torch.Tensor  # [BS, K] int64, the pair's index in route order, -1 if not routed
     send_counts: List[int]  # [R] pairs to each rank
     recv_counts: List[int]  # [R] pairs from each rank
     group: Optional["dist.ProcessGroup"]  # None: one rank, nothing leaves the process
@@ -40,22 +43,21 @@ class Received:
 
 
 def plan_route(op: str, expert_ids: torch.Tensor, active: int, local_experts: int,
-               group: Optional["dist.ProcessGroup"], agreed: Optional[Dict[str, object]] = None) -> Route:
-    """Routes the first `active` rows of expert_ids [BS, K] (ids < 0 are skipped) and, with a
-    group, exchanges the per-rank pair counts together with `agreed` (what every rank must share,
-    see `_exchange.agree`): every rank raises if a peer disagrees or announces impossible counts."""
-    topk = expert_ids.shape[1]
-    flat = expert_ids[:active].reshape(-1).to(torch.int64)
-    pos = torch.nonzero(flat >= 0).squeeze(1)
-    expert, order = torch.sort(flat[pos], stable=True)
-    pos = pos[order]
-    token = torch.div(pos, max(topk, 1), rounding_mode="floor")
+               group: Optional["dist.ProcessGroup"], agreed: Optional[Dict[str, object]] = None,
+               experts: Optional[int] = None) -> Route:
+    """Routes the first `active` rows of expert_ids [BS, K] int32 (validated ids in [-1, E); -1 is
+    skipped; E = `experts`, by default local_experts times the group's ranks) in one C++ pass and,
+    with a group, exchanges the per-rank pair counts together with `agreed` (what every rank must
+    share, see `_exchange.agree`): every rank raises if a peer disagrees or announces impossible
+    counts."""
+    ranks = 1 if group is None else dist.get_world_size(group)
+    experts = local_experts * ranks if experts is None else experts
+    pos, token, expert, counts, rows = cpu_kernels().route_pairs(expert_ids, active, experts)
     if group is None:
-        return Route(pos, token, expert, [pos.numel()], [pos.numel()], None)
-    ranks = dist.get_world_size(group)
-    send = torch.bincount(torch.div(expert, local_experts, rounding_mode="floor"), minlength=ranks).tolist()
-    recv = exchange_counts(op, group, send, active * topk, agreed or {})
-    return Route(pos, token, expert, send, recv, group)
+        return Route(pos, token, expert, counts, rows, [pos.numel()], [pos.numel()], None)
+    send = counts.view(ranks, local_experts).sum(1).tolist()
+    recv = exchange_counts(op, group, send, active * expert_ids.shape[1], agreed or {})
+    return Route(pos, token, expert, counts, rows, send, recv, group)
 
 
 def exchange_counts(op: str, group: "dist.ProcessGroup", send: List[int], most: int,
@@ -140,10 +142,3 @@ def return_rows(op: str, route: Route, y: torch.Tensor) -> torch.Tensor:
     if route.group is None:
         return y
     return _exchange.all_to_all_rows(y, route.recv_counts, route.send_counts, route.group, op, "result combine")
-
-
-def pair_rows(route: Route, batch: int, topk: int) -> torch.Tensor:
-    """[BS, K] int64: the row of pair (t, k) among the returned results, -1 if not routed."""
-    rows = torch.full((batch * topk,), -1, dtype=torch.int64)
-    rows[route.pos] = torch.arange(route.pos.numel())
-    return rows.view(batch, topk)

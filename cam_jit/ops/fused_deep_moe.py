@@ -329,17 +329,25 @@ def _cpu(x, expert_ids, gmm1_weight, gmm1_weight_scale, gmm2_weight, gmm2_weight
     kernels = cpu_kernels()
     route = _moe_cpu.plan_route(OP, expert_ids, active, layout.local_experts, group, agreed)
     smooth = expert_smooth_scales
-    q, q_scale = kernels.quantize_rows(x, smooth, route.token, route.expert if smooth is not None else None)
-    received = _moe_cpu.send_rows(OP, route, q, q_scale, layout.local_experts)
-    expert_token_nums = torch.bincount(received.local_expert, minlength=layout.local_experts)
-    by_expert = torch.sort(received.local_expert, stable=True).indices
-    y_grouped = _expert_ffn(kernels, layout, received.rows[by_expert], received.scale[by_expert],
-                            expert_token_nums.tolist(), gmm1_weight, gmm1_weight_scale, gmm1_bias, gmm2_weight,
-                            gmm2_weight_scale, gmm2_bias, x.dtype)
-    y = torch.empty_like(y_grouped)
-    y[by_expert] = y_grouped
-    y = _moe_cpu.return_rows(OP, route, y)
-    output = kernels.combine(y, _moe_cpu.pair_rows(route, layout.batch, layout.topk), expert_scales, active)
+    if smooth is None:  # a pair's quantised row depends only on its token: quantise each token once
+        q_token, scale_token = kernels.quantize_rows(x[:active], None, None, None)
+        q, q_scale = q_token[route.token], scale_token[route.token]
+    else:
+        q, q_scale = kernels.quantize_rows(x, smooth, route.token, route.expert)
+    weights = (gmm1_weight, gmm1_weight_scale, gmm1_bias, gmm2_weight, gmm2_weight_scale, gmm2_bias)
+    if group is None:  # one rank: the route order is already grouped by expert
+        expert_token_nums = route.expert_counts
+        y = _expert_ffn(kernels, layout, q, q_scale, expert_token_nums.tolist(), *weights, x.dtype)
+    else:
+        received = _moe_cpu.send_rows(OP, route, q, q_scale, layout.local_experts)
+        expert_token_nums = torch.bincount(received.local_expert, minlength=layout.local_experts)
+        by_expert = torch.sort(received.local_expert, stable=True).indices
+        y_grouped = _expert_ffn(kernels, layout, received.rows[by_expert], received.scale[by_expert],
+                                expert_token_nums.tolist(), *weights, x.dtype)
+        y = torch.empty_like(y_grouped)
+        y[by_expert] = y_grouped
+        y = _moe_cpu.return_rows(OP, route, y)
+    output = kernels.combine(y, route.pair_rows, expert_scales, active)
 
     return [output, shared_expert_output(kernels, layout, locals()), expert_token_nums]
 

@@ -265,7 +265,7 @@ def _run(transport: Transport, a: dict, layout: Layout, active: int) -> List[tor
     through the heap instead of all_to_all."""
     kernels = cpu_kernels()
     x, e_loc, hidden = a["x"], layout.local_experts, layout.hidden
-    route = _moe_cpu.plan_route(OP, a["expert_ids"], active, e_loc, None)
+    route = _moe_cpu.plan_route(OP, a["expert_ids"], active, e_loc, None, experts=a["moe_expert_num"])
     send_counts = torch.bincount(torch.div(route.expert, e_loc, rounding_mode="floor"),
                                  minlength=transport.ranks).tolist()
     geo = transport.geometry(hidden, x.dtype)

@@ -1,8 +1,10 @@
 // Expert-side kernels of fused_deep_moe on CPU: per local expert, integer GEMM1, dequant + SwiGLU
 // + requant, integer GEMM2, dequant (docs/semantics.md §1.8 steps 2-4; W4A8: §1.9). The integer GEMMs are
-// ATen's exact int8 x int8 -> int32 `_int_mm`; the epilogues are fused loops threaded with
-// at::parallel_for. W4A8 unpacks each expert's int4 weights to int8 and multiplies the high and
-// low nibbles of the activations (stacked into one GEMM) by them.
+// exact int8 x int8 -> int32: the prepacked VNNI / AMX kernels of int8_gemm.cpp, or ATen's `_int_mm`
+// (the portable variant, which for W4A8 unpacks each expert's int4 weights to int8 on every call
+// and multiplies the high and low nibbles of the activations, stacked into one GEMM, by them). The
+// epilogues are fused loops threaded with at::parallel_for.
+#include "int8_gemm.h"
 #include "moe_common.h"
 
 #include <ATen/Dispatch.h>
@@ -168,23 +170,31 @@ at::Tensor split_nibbles(const at::Tensor& q) {
   return out;
 }
 
-// One local expert's weights: int8 (W8A8) or unpacked int4-valued int8 (W4A8) matrices, float32
-// vectors; the biases are undefined under W8A8.
+// One local expert's weights: int8 (W8A8) or int32 words of packed int4 (W4A8) matrices as stored,
+// float32 vectors; the biases are undefined under W8A8.
 struct Expert {
   at::Tensor w1, s1, b1, w2, s2, b2;
+  bool int4() const { return b1.defined(); }
 };
+
+// acc = q . w exactly (int4 weights: [2 rows, N], the hi then the lo nibbles of q) with the GEMM
+// variant selected for this many rows.
+at::Tensor int_matmul(const at::Tensor& q, const at::Tensor& w, bool int4) {
+  const GemmKernel kernel = gemm_kernel(q.size(0));
+  if (kernel != GemmKernel::kIntMm) return packed_matmul(q, *packed_matrix(w, int4), kernel);
+  return int4 ? at::_int_mm(split_nibbles(q), unpack_int4(w)) : at::_int_mm(q, w.contiguous());
+}
 
 // Steps 2.1-2.4 (§1.9 items 1-5 for W4A8): d = dequant(q . W1) * a, and -d of the gate half.
 void gmm1_stage(const at::Tensor& q, const float* a, const Expert& ex, at::Tensor& d, at::Tensor& neg_gate) {
   const int64_t rows = q.size(0);
-  const int64_t width = ex.w1.size(1);
+  const int64_t width = d.size(1);
   const float* s = ex.s1.data_ptr<float>();
-  if (!ex.b1.defined()) {
-    const at::Tensor acc = at::_int_mm(q, ex.w1);
+  const at::Tensor acc = int_matmul(q, ex.w1, ex.int4());
+  if (!ex.int4()) {
     dequant_gmm1(W8A8Dequant{acc.data_ptr<int32_t>(), s, width}, a, d, neg_gate);
     return;
   }
-  const at::Tensor acc = at::_int_mm(split_nibbles(q), ex.w1);
   const int32_t* hi = acc.data_ptr<int32_t>();
   dequant_gmm1(W4A8Dequant{hi, hi + rows * width, s, ex.b1.data_ptr<float>(), width}, a, d, neg_gate);
 }
@@ -193,14 +203,13 @@ void gmm1_stage(const at::Tensor& q, const float* a, const Expert& ex, at::Tenso
 template <typename scalar_t>
 void gmm2_stage(const at::Tensor& q2, const float* b, const Expert& ex, scalar_t* out) {
   const int64_t rows = q2.size(0);
-  const int64_t width = ex.w2.size(1);
+  const int64_t width = ex.s2.numel();
   const float* s = ex.s2.data_ptr<float>();
-  if (!ex.b2.defined()) {
-    const at::Tensor acc = at::_int_mm(q2, ex.w2);
+  const at::Tensor acc = int_matmul(q2, ex.w2, ex.int4());
+  if (!ex.int4()) {
     dequant_gmm2(W8A8Dequant{acc.data_ptr<int32_t>(), s, width}, rows, width, b, out);
     return;
   }
-  const at::Tensor acc = at::_int_mm(split_nibbles(q2), ex.w2);
   const int32_t* hi = acc.data_ptr<int32_t>();
   dequant_gmm2(W4A8Dequant{hi, hi + rows * width, s, ex.b2.data_ptr<float>(), width}, rows, width, b, out);
 }
@@ -235,10 +244,11 @@ at::Tensor expert_ffn(const char* name, const at::Tensor& q, const at::Tensor& q
     const int64_t rows = group_sizes[e];
     if (rows == 0) continue;
     const Expert ex = load(e);
-    TORCH_CHECK(ex.w1.dim() == 2 && ex.w1.size(0) == hidden && ex.w1.size(1) % 2 == 0, "_cam_jit_cpu::", name,
+    const int64_t pack = ex.int4() ? 8 : 1;  // logical columns per stored element
+    TORCH_CHECK(ex.w1.size(0) == hidden && (ex.w1.size(1) * pack) % 2 == 0, "_cam_jit_cpu::", name,
                 ": expert ", e, " gmm1 weight must be [", hidden, ", 2I] (unpacked), got ", ex.w1.sizes());
-    const int64_t inter = ex.w1.size(1) / 2;
-    TORCH_CHECK(ex.w2.dim() == 2 && ex.w2.size(0) == inter && ex.w2.size(1) == hidden, "_cam_jit_cpu::", name,
+    const int64_t inter = ex.w1.size(1) * pack / 2;
+    TORCH_CHECK(ex.w2.size(0) == inter && ex.w2.size(1) * pack == hidden, "_cam_jit_cpu::", name,
                 ": expert ", e, " gmm2 weight must be [", inter, ", ", hidden, "] (unpacked), got ", ex.w2.sizes());
     TORCH_CHECK(ex.s1.numel() == 2 * inter && ex.s2.numel() == hidden &&
                     (!ex.b1.defined() || (ex.b1.numel() == 2 * inter && ex.b2.numel() == hidden)),
@@ -261,13 +271,14 @@ at::Tensor expert_ffn(const char* name, const at::Tensor& q, const at::Tensor& q
   return y;
 }
 
-// A weight matrix of expert e: int8 as stored (W8A8), or int32 words unpacked to int4 values.
+// A weight matrix of expert e as stored: int8 (W8A8) or int32 words of packed int4 values.
 at::Tensor int_weight(const char* name, const char* arg, at::TensorList container, int64_t e, bool packed) {
   const at::Tensor w = expert_item(container, e, 2);
   const at::ScalarType want = packed ? at::kInt : at::kChar;
   TORCH_CHECK(w.scalar_type() == want && w.dim() == 2, "_cam_jit_cpu::", name, ": expert ", e, " ", arg,
               " must be a 2-D ", packed ? "int32" : "int8", " matrix, got ", w.scalar_type(), " ", w.sizes());
-  return packed ? unpack_int4(w) : w.contiguous();
+  check_cpu(w, arg);
+  return w;
 }
 
 // q: [M, H] int8 rows grouped by local expert; q_scale: [M] float32; w1/s1/w2/s2: weight

@@ -1,0 +1,708 @@
+// Exact int8 GEMMs on prepacked weights (AVX512-VNNI and AMX), the prepack cache and the kernel
+// variant switch. See int8_gemm.h for the packed layout.
+//
+// VNNI (vpdpbusd) multiplies unsigned by signed bytes. W8A8 feeds q + 128 (u8) against the s8
+// weights and subtracts 128 * colsum(W); W4A8 feeds the nibble weights w + 8 (u8) against the s8
+// hi / lo activations and subtracts 8 * rowsum(hi or lo). AMX (tdpbssd) multiplies signed by signed
+// bytes directly. Every sum is an exact int32 (wrap-around arithmetic, results within int32).
+#include "int8_gemm.h"
+
+#include "moe_common.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/StorageImpl.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define CAM_JIT_X86 1
+#define CAM_JIT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+#define CAM_JIT_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,amx-tile,amx-int8")))
+#endif
+
+namespace cam_jit_cpu {
+namespace {
+
+constexpr int64_t kBlockN = 16;  // columns per packed block (one zmm of int32, one AMX tile row)
+constexpr int64_t kBlockK = 64;  // K padding: one AMX tile of k
+
+int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+// ---------------------------------------------------------------------------------------------
+// What this CPU and OS can run.
+
+struct CpuFeatures {
+  bool avx512 = false;  // AVX512 F/BW/VL/DQ with the OS saving zmm state
+  bool vnni = false;    // plus AVX512-VNNI
+  bool amx = false;     // AMX-TILE and AMX-INT8 with the OS granting tile data to this process
+};
+
+#if defined(CAM_JIT_X86)
+uint64_t xcr0() {
+  uint32_t eax, edx;
+  __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
+  return (static_cast<uint64_t>(edx) << 32) | eax;
+}
+
+// Linux keeps AMX tile data off until a process asks (arch_prctl ARCH_REQ_XCOMP_PERM).
+bool request_amx_permission() {
+  constexpr int kArchReqXcompPerm = 0x1023;
+  constexpr int kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+CpuFeatures detect_features() {
+  CpuFeatures f;
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !(ecx & (1u << 27))) return f;  // OSXSAVE
+  const uint64_t xcr = xcr0();
+  const bool zmm_state = (xcr & 0xe6) == 0xe6;  // SSE, AVX, opmask, ZMM_Hi256, Hi16_ZMM
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return f;
+  const bool avx512f = ebx & (1u << 16), avx512dq = ebx & (1u << 17), avx512bw = ebx & (1u << 30),
+             avx512vl = ebx & (1u << 31);
+  f.avx512 = zmm_state && avx512f && avx512dq && avx512bw && avx512vl;
+  f.vnni = f.avx512 && (ecx & (1u << 11));
+  const bool amx_hw = (edx & (1u << 24)) && (edx & (1u << 25));  // AMX-TILE, AMX-INT8
+  const bool tile_state = (xcr & (3u << 17)) == (3u << 17);       // XTILECFG, XTILEDATA
+  f.amx = f.vnni && amx_hw && tile_state && request_amx_permission();
+  return f;
+}
+#else
+CpuFeatures detect_features() { return {}; }
+#endif
+
+const CpuFeatures& features() {
+  static const CpuFeatures f = detect_features();
+  return f;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The variant switch: "auto" (the best this CPU runs; AMX from kAmxMinRows rows, VNNI below) or a
+// forced variant. Set from CAM_JIT_CPU_GEMM / CAM_JIT_CPU_VECTOR at load, or select_kernels().
+
+constexpr int64_t kAmxMinRows = 16;
+constexpr int kAuto = -1;
+
+const char* const kGemmNames[] = {"int_mm", "vnni", "amx"};
+const char* const kVectorNames[] = {"scalar", "avx512"};
+
+bool gemm_available(int v) {
+  return v == 0 || (v == 1 && features().vnni) || (v == 2 && features().amx);
+}
+bool vector_available(int v) { return v == 0 || (v == 1 && features().avx512); }
+
+int parse_variant(const std::string& name, const char* const* names, int count, bool (*available)(int),
+                  const char* what) {
+  if (name == "auto") return kAuto;
+  for (int v = 0; v < count; ++v) {
+    if (name == names[v]) {
+      TORCH_CHECK(available(v), "cam_jit: the ", what, " kernel '", name, "' cannot run on this CPU");
+      return v;
+    }
+  }
+  std::string known = "auto";
+  for (int v = 0; v < count; ++v) known += std::string(", ") + names[v];
+  TORCH_CHECK(false, "cam_jit: unknown ", what, " kernel '", name, "'; expected one of: ", known);
+}
+
+int variant_from_env(const char* env, const char* const* names, int count, bool (*available)(int),
+                     const char* what) {
+  const char* value = std::getenv(env);
+  if (value == nullptr || *value == '\0') return kAuto;
+  return parse_variant(value, names, count, available, what);
+}
+
+std::atomic<int>& gemm_setting() {
+  static std::atomic<int> s{variant_from_env("CAM_JIT_CPU_GEMM", kGemmNames, 3, gemm_available, "GEMM")};
+  return s;
+}
+std::atomic<int>& vector_setting() {
+  static std::atomic<int> s{variant_from_env("CAM_JIT_CPU_VECTOR", kVectorNames, 2, vector_available, "vector")};
+  return s;
+}
+
+std::string setting_name(int v, const char* const* names) { return v == kAuto ? "auto" : names[v]; }
+
+// ---------------------------------------------------------------------------------------------
+// Packing.
+
+// Element (k, n) of an int8 matrix, or of an int4 one stored as [K, N/8] int32 words (column
+// 8w + s is nibble s of word w, two's complement).
+struct WeightReader {
+  const int8_t* i8 = nullptr;
+  const int32_t* i32 = nullptr;
+  int64_t ld = 0;
+  int operator()(int64_t k, int64_t n) const {
+    if (i8 != nullptr) return i8[k * ld + n];
+    const uint32_t word = static_cast<uint32_t>(i32[k * ld + n / 8]);
+    const int nib = static_cast<int>((word >> (4 * (n % 8))) & 15u);
+    return nib >= 8 ? nib - 16 : nib;
+  }
+};
+
+std::shared_ptr<PackedMatrix> pack(const at::Tensor& w, bool int4) {
+  TORCH_CHECK(w.dim() == 2, "cam_jit prepack: weight must be 2-D, got ", w.sizes());
+  TORCH_CHECK(w.scalar_type() == (int4 ? at::kInt : at::kChar), "cam_jit prepack: weight must be ",
+              int4 ? "int32 (packed int4)" : "int8", ", got ", w.scalar_type());
+  const at::Tensor wc = w.contiguous();
+  auto p = std::make_shared<PackedMatrix>();
+  p->int4 = int4;
+  p->k = wc.size(0);
+  p->n = wc.size(1) * (int4 ? 8 : 1);
+  p->kp = round_up(std::max<int64_t>(p->k, 1), kBlockK);
+  p->np = round_up(std::max<int64_t>(p->n, 1), kBlockN);
+  WeightReader read;
+  read.ld = wc.size(1);
+  if (int4) {
+    read.i32 = wc.data_ptr<int32_t>();
+  } else {
+    read.i8 = wc.data_ptr<int8_t>();
+  }
+  const int64_t k = p->k, n = p->n, kp = p->kp, blocks = p->np / kBlockN;
+  auto value = [&](int64_t kk, int64_t nn) { return kk < k && nn < n ? read(kk, nn) : 0; };
+  if (int4) {
+    p->panel = at::empty({p->np * kp / 2}, wc.options().dtype(at::kByte));
+    uint8_t* dst = p->panel.data_ptr<uint8_t>();
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        uint8_t* panel = dst + b * (kp / 8) * 64;
+        for (int64_t pair = 0; pair < kp / 8; ++pair) {
+          for (int64_t c = 0; c < kBlockN; ++c) {
+            for (int64_t kk = 0; kk < 4; ++kk) {
+              const int lo = value(8 * pair + kk, b * kBlockN + c) + 8;
+              const int hi = value(8 * pair + 4 + kk, b * kBlockN + c) + 8;
+              panel[pair * 64 + c * 4 + kk] = static_cast<uint8_t>(lo | (hi << 4));
+            }
+          }
+        }
+      }
+    });
+    return p;
+  }
+  p->panel = at::empty({p->np * kp}, wc.options().dtype(at::kByte));
+  p->comp = at::empty({p->np}, wc.options().dtype(at::kInt));
+  uint8_t* dst = p->panel.data_ptr<uint8_t>();
+  int32_t* comp = p->comp.data_ptr<int32_t>();
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      uint8_t* panel = dst + b * kp * kBlockN;
+      int32_t colsum[kBlockN] = {};
+      for (int64_t k4 = 0; k4 < kp / 4; ++k4) {
+        for (int64_t c = 0; c < kBlockN; ++c) {
+          for (int64_t kk = 0; kk < 4; ++kk) {
+            const int v = value(4 * k4 + kk, b * kBlockN + c);
+            colsum[c] += v;
+            panel[k4 * 64 + c * 4 + kk] = static_cast<uint8_t>(static_cast<int8_t>(v));
+          }
+        }
+      }
+      for (int64_t c = 0; c < kBlockN; ++c) comp[b * kBlockN + c] = 128 * colsum[c];
+    }
+  });
+  return p;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The prepack cache.
+
+struct CacheKey {
+  const void* storage;
+  int64_t offset, size0, size1, stride0, stride1;
+  bool int4;
+  bool operator<(const CacheKey& o) const {
+    return std::tie(storage, offset, size0, size1, stride0, stride1, int4) <
+           std::tie(o.storage, o.offset, o.size0, o.size1, o.stride0, o.stride1, o.int4);
+  }
+};
+
+struct CacheEntry {
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage;  // the StorageImpl (not its bytes) stays allocated
+  uint32_t version;
+  std::shared_ptr<const PackedMatrix> packed;
+};
+
+struct PrepackCache {
+  std::mutex mutex;
+  std::map<CacheKey, CacheEntry> entries;
+
+  void drop_expired() {
+    for (auto it = entries.begin(); it != entries.end();) {
+      it = it->second.storage.expired() ? entries.erase(it) : std::next(it);
+    }
+  }
+  int64_t bytes() {
+    int64_t total = 0;
+    for (const auto& [key, entry] : entries) {
+      total += entry.packed->panel.nbytes() + (entry.packed->comp.defined() ? entry.packed->comp.nbytes() : 0);
+    }
+    return total;
+  }
+};
+
+PrepackCache& cache() {
+  static PrepackCache* c = new PrepackCache();  // never destroyed: tensors may outlive static teardown
+  return *c;
+}
+
+}  // namespace
+
+std::shared_ptr<const PackedMatrix> packed_matrix(const at::Tensor& w, bool int4) {
+  check_cpu(w, "weight");
+  if (w.is_inference()) return pack(w, int4);
+  const CacheKey key{w.storage().unsafeGetStorageImpl(), w.storage_offset(), w.size(0), w.size(1),
+                     w.stride(0), w.stride(1), int4};
+  const uint32_t version = w.unsafeGetTensorImpl()->version_counter().current_version();
+  PrepackCache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  auto it = c.entries.find(key);
+  if (it != c.entries.end() && !it->second.storage.expired() && it->second.version == version) {
+    return it->second.packed;
+  }
+  c.drop_expired();
+  std::shared_ptr<const PackedMatrix> packed = pack(w, int4);
+  c.entries.insert_or_assign(key, CacheEntry{w.storage().getWeakStorageImpl(), version, packed});
+  return packed;
+}
+
+GemmKernel gemm_kernel(int64_t rows) {
+  const int s = gemm_setting().load();
+  if (s != kAuto) return static_cast<GemmKernel>(s);
+  if (features().amx && rows >= kAmxMinRows) return GemmKernel::kAmx;
+  return features().vnni ? GemmKernel::kVnni : GemmKernel::kIntMm;
+}
+
+VectorKernel vector_kernel() {
+  const int s = vector_setting().load();
+  if (s != kAuto) return static_cast<VectorKernel>(s);
+  return features().avx512 ? VectorKernel::kAvx512 : VectorKernel::kScalar;
+}
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// AVX512-VNNI kernels. A row block of MR rows times NR 16-column blocks lives in registers; the
+// K loop streams NR packed panels once per row block.
+
+#if defined(CAM_JIT_X86)
+template <int MR, int NR>
+CAM_JIT_AVX512 void vnni_i8_block(const uint8_t* a, int64_t lda, const uint8_t* panel, int64_t panel_bytes,
+                                  int64_t k4s, const int32_t* comp, int32_t* out, int64_t ldo, int64_t ncols) {
+  __m512i acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_si512();
+  for (int64_t k4 = 0; k4 < k4s; ++k4) {
+    __m512i w[NR];
+    for (int j = 0; j < NR; ++j) w[j] = _mm512_load_si512(panel + j * panel_bytes + k4 * 64);
+    for (int i = 0; i < MR; ++i) {
+      int32_t bytes4;
+      std::memcpy(&bytes4, a + i * lda + 4 * k4, 4);
+      const __m512i x = _mm512_set1_epi32(bytes4);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], x, w[j]);
+    }
+  }
+  for (int j = 0; j < NR; ++j) {
+    const int64_t valid = std::min<int64_t>(kBlockN, ncols - j * kBlockN);
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+    const __m512i c = _mm512_loadu_si512(comp + j * kBlockN);
+    for (int i = 0; i < MR; ++i) {
+      _mm512_mask_storeu_epi32(out + i * ldo + j * kBlockN, mask, _mm512_sub_epi32(acc[i][j], c));
+    }
+  }
+}
+
+template <int MR, int NR>
+CAM_JIT_AVX512 void vnni_i4_block(const int8_t* hi, const int8_t* lo, int64_t lda, const uint8_t* panel,
+                                  int64_t panel_bytes, int64_t k8s, const int32_t* hi_sum8, const int32_t* lo_sum8,
+                                  int32_t* out_hi, int32_t* out_lo, int64_t ldo, int64_t ncols) {
+  __m512i acc_hi[MR][NR], acc_lo[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc_hi[i][j] = acc_lo[i][j] = _mm512_setzero_si512();
+  const __m512i low4 = _mm512_set1_epi8(15);
+  for (int64_t k8 = 0; k8 < k8s; ++k8) {
+    __m512i w0[NR], w1[NR];
+    for (int j = 0; j < NR; ++j) {
+      const __m512i v = _mm512_load_si512(panel + j * panel_bytes + k8 * 64);
+      w0[j] = _mm512_and_si512(v, low4);
+      w1[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    }
+    for (int i = 0; i < MR; ++i) {
+      int32_t h[2], l[2];
+      std::memcpy(h, hi + i * lda + 8 * k8, 8);
+      std::memcpy(l, lo + i * lda + 8 * k8, 8);
+      const __m512i h0 = _mm512_set1_epi32(h[0]), h1 = _mm512_set1_epi32(h[1]);
+      const __m512i l0 = _mm512_set1_epi32(l[0]), l1 = _mm512_set1_epi32(l[1]);
+      for (int j = 0; j < NR; ++j) {
+        acc_hi[i][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc_hi[i][j], w0[j], h0), w1[j], h1);
+        acc_lo[i][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc_lo[i][j], w0[j], l0), w1[j], l1);
+      }
+    }
+  }
+  for (int j = 0; j < NR; ++j) {
+    const int64_t valid = std::min<int64_t>(kBlockN, ncols - j * kBlockN);
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+    for (int i = 0; i < MR; ++i) {
+      _mm512_mask_storeu_epi32(out_hi + i * ldo + j * kBlockN, mask,
+                               _mm512_sub_epi32(acc_hi[i][j], _mm512_set1_epi32(hi_sum8[i])));
+      _mm512_mask_storeu_epi32(out_lo + i * ldo + j * kBlockN, mask,
+                               _mm512_sub_epi32(acc_lo[i][j], _mm512_set1_epi32(lo_sum8[i])));
+    }
+  }
+}
+
+// Calls block<mr, nr>(args...) for runtime mr in [1, MR], nr in [1, NR].
+template <int MR, int NR, template <int, int> class Block, typename... Args>
+void dispatch_block(int mr, int nr, Args... args) {
+  if constexpr (MR > 1) {
+    if (mr < MR) return dispatch_block<MR - 1, NR, Block>(mr, nr, args...);
+  }
+  if constexpr (NR > 1) {
+    if (nr < NR) return dispatch_block<MR, NR - 1, Block>(mr, nr, args...);
+  }
+  Block<MR, NR>::run(args...);
+}
+
+template <int MR, int NR>
+struct VnniI8 {
+  template <typename... Args>
+  static void run(Args... args) { vnni_i8_block<MR, NR>(args...); }
+};
+template <int MR, int NR>
+struct VnniI4 {
+  template <typename... Args>
+  static void run(Args... args) { vnni_i4_block<MR, NR>(args...); }
+};
+
+constexpr int kVnniNr = 4;    // 16-column blocks per register tile
+constexpr int kVnniMrI8 = 6;  // 24 accumulators
+constexpr int kVnniMrI4 = 2;  // 16 accumulators + 8 unpacked weight vectors
+
+// One thread's share: column groups [g0, g1) of kVnniNr blocks, all rows.
+void vnni_i8(const uint8_t* a, int64_t m, const PackedMatrix& w, int32_t* out, int64_t g0, int64_t g1) {
+  const int64_t blocks = w.np / kBlockN, panel_bytes = w.kp * kBlockN;
+  const uint8_t* panel = w.panel.data_ptr<uint8_t>();
+  const int32_t* comp = w.comp.data_ptr<int32_t>();
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t b = g * kVnniNr;
+    const int nr = static_cast<int>(std::min<int64_t>(kVnniNr, blocks - b));
+    const int64_t ncols = std::min<int64_t>(nr * kBlockN, w.n - b * kBlockN);
+    for (int64_t r = 0; r < m; r += kVnniMrI8) {
+      const int mr = static_cast<int>(std::min<int64_t>(kVnniMrI8, m - r));
+      dispatch_block<kVnniMrI8, kVnniNr, VnniI8>(mr, nr, a + r * w.kp, w.kp, panel + b * panel_bytes, panel_bytes,
+                                                 w.kp / 4, comp + b * kBlockN, out + r * w.n + b * kBlockN, w.n,
+                                                 ncols);
+    }
+  }
+}
+
+void vnni_i4(const int8_t* hi, const int8_t* lo, const int32_t* hi_sum8, const int32_t* lo_sum8, int64_t m,
+             const PackedMatrix& w, int32_t* out, int64_t g0, int64_t g1) {
+  const int64_t blocks = w.np / kBlockN, panel_bytes = w.kp * kBlockN / 2;
+  const uint8_t* panel = w.panel.data_ptr<uint8_t>();
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t b = g * kVnniNr;
+    const int nr = static_cast<int>(std::min<int64_t>(kVnniNr, blocks - b));
+    const int64_t ncols = std::min<int64_t>(nr * kBlockN, w.n - b * kBlockN);
+    for (int64_t r = 0; r < m; r += kVnniMrI4) {
+      const int mr = static_cast<int>(std::min<int64_t>(kVnniMrI4, m - r));
+      int32_t* o = out + r * w.n + b * kBlockN;
+      dispatch_block<kVnniMrI4, kVnniNr, VnniI4>(mr, nr, hi + r * w.kp, lo + r * w.kp, w.kp, panel + b * panel_bytes,
+                                                 panel_bytes, w.kp / 8, hi_sum8 + r, lo_sum8 + r, o, o + m * w.n, w.n,
+                                                 ncols);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// AMX kernels: C tiles 0-3 (16 x 16 int32), A tiles 4-5 (16 rows x 64 k), B tiles 6-7 (64 k x 16
+// columns, straight from the packed panel). Rows are padded to multiples of 16 in the activation
+// and output buffers.
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+CAM_JIT_AMX void amx_configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  // An asm memory operand: GCC 12's _tile_loadconfig builtin does not tell the optimiser that it
+  // reads cfg, which then drops the stores above.
+  __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
+}
+
+// C[mp, np] (ldc ints) for block pairs [p0, p1) of int8 B panels (each kp x 16 s8, 64-byte rows),
+// A [mp, kp] s8.
+CAM_JIT_AMX void amx_i8_pairs(const int8_t* a, int64_t mp, const uint8_t* panels, int64_t blocks, int64_t kp,
+                              int32_t* c, int64_t ldc, int64_t p0, int64_t p1) {
+  const int64_t panel_bytes = kp * kBlockN;
+  const int64_t ldc_bytes = ldc * 4;
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t b = 2 * p;
+    const bool two_n = b + 1 < blocks;
+    const uint8_t* b0 = panels + b * panel_bytes;
+    const uint8_t* b1 = b0 + panel_bytes;
+    for (int64_t r = 0; r < mp; r += 32) {
+      const bool two_m = r + 16 < mp;
+      const int8_t* a0 = a + r * kp;
+      const int8_t* a1 = a0 + 16 * kp;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t k = 0; k < kp; k += kBlockK) {
+        _tile_loadd(4, a0 + k, kp);
+        _tile_loadd(6, b0 + k * kBlockN, 64);
+        _tile_dpbssd(0, 4, 6);
+        if (two_n) {
+          _tile_loadd(7, b1 + k * kBlockN, 64);
+          _tile_dpbssd(1, 4, 7);
+        }
+        if (two_m) {
+          _tile_loadd(5, a1 + k, kp);
+          _tile_dpbssd(2, 5, 6);
+          if (two_n) _tile_dpbssd(3, 5, 7);
+        }
+      }
+      int32_t* c0 = c + r * ldc + b * kBlockN;
+      _tile_stored(0, c0, ldc_bytes);
+      if (two_n) _tile_stored(1, c0 + kBlockN, ldc_bytes);
+      if (two_m) {
+        _tile_stored(2, c0 + 16 * ldc, ldc_bytes);
+        if (two_n) _tile_stored(3, c0 + 16 * ldc + kBlockN, ldc_bytes);
+      }
+    }
+  }
+}
+
+// W4A8: per 16-column block, the int4 panel is unpacked once into `scratch` (kp x 16 s8), then
+// every 16-row block of hi and lo runs against it: C tiles 0 (hi) and 1 (lo).
+CAM_JIT_AMX void amx_i4_blocks(const int8_t* hi, const int8_t* lo, int64_t mp, const uint8_t* panels, int64_t kp,
+                               int32_t* c_hi, int32_t* c_lo, int64_t ldc, int64_t b0, int64_t b1, uint8_t* scratch) {
+  const int64_t panel_bytes = kp * kBlockN / 2;
+  const int64_t ldc_bytes = ldc * 4;
+  const __m512i low4 = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8);
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* src = panels + b * panel_bytes;
+    for (int64_t pair = 0; pair < kp / 8; ++pair) {
+      const __m512i v = _mm512_load_si512(src + pair * 64);
+      const __m512i w0 = _mm512_sub_epi8(_mm512_and_si512(v, low4), eight);
+      const __m512i w1 = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), eight);
+      _mm512_store_si512(scratch + pair * 128, w0);
+      _mm512_store_si512(scratch + pair * 128 + 64, w1);
+    }
+    for (int64_t r = 0; r < mp; r += 16) {
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int64_t k = 0; k < kp; k += kBlockK) {
+        _tile_loadd(6, scratch + k * kBlockN, 64);
+        _tile_loadd(4, hi + r * kp + k, kp);
+        _tile_loadd(5, lo + r * kp + k, kp);
+        _tile_dpbssd(0, 4, 6);
+        _tile_dpbssd(1, 5, 6);
+      }
+      _tile_stored(0, c_hi + r * ldc + b * kBlockN, ldc_bytes);
+      _tile_stored(1, c_lo + r * ldc + b * kBlockN, ldc_bytes);
+    }
+  }
+}
+
+CAM_JIT_AMX void amx_release() { _tile_release(); }
+#endif  // CAM_JIT_X86
+
+// Activations for the packed kernels: q [m, k] -> rows [rows_out, kp] with zero padding. kU8: the
+// VNNI operand q + 128 (as q ^ 0x80); kS8: q itself; hi / lo: the W4A8 nibble split.
+enum class ActForm { kU8, kS8, kNibbles };
+
+struct Activations {
+  at::Tensor a, b;       // kU8 / kS8: a only; kNibbles: a = hi, b = lo
+  at::Tensor sum8;       // kNibbles: int32 [2, rows_out]: 8 * row sums of hi, lo
+};
+
+Activations prepare_activations(const at::Tensor& q, int64_t kp, int64_t rows_out, ActForm form) {
+  const int64_t m = q.size(0), k = q.size(1);
+  const int8_t* src = q.data_ptr<int8_t>();
+  Activations out;
+  out.a = at::zeros({rows_out, kp}, q.options());
+  int8_t* a = out.a.data_ptr<int8_t>();
+  if (form != ActForm::kNibbles) {
+    const int8_t flip = form == ActForm::kU8 ? static_cast<int8_t>(0x80) : 0;
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t j = 0; j < k; ++j) a[r * kp + j] = static_cast<int8_t>(src[r * k + j] ^ flip);
+    return out;
+  }
+  out.b = at::zeros({rows_out, kp}, q.options());
+  out.sum8 = at::zeros({2, rows_out}, q.options().dtype(at::kInt));
+  int8_t* b = out.b.data_ptr<int8_t>();
+  int32_t* sum8 = out.sum8.data_ptr<int32_t>();
+  for (int64_t r = 0; r < m; ++r) {
+    int32_t sh = 0, sl = 0;
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t v = src[r * k + j];
+      const int8_t h = static_cast<int8_t>(v >> 4), l = static_cast<int8_t>((v & 15) - 8);
+      a[r * kp + j] = h;
+      b[r * kp + j] = l;
+      sh += h;
+      sl += l;
+    }
+    sum8[r] = 8 * sh;
+    sum8[rows_out + r] = 8 * sl;
+  }
+  return out;
+}
+
+}  // namespace
+
+at::Tensor packed_matmul(const at::Tensor& q, const PackedMatrix& w, GemmKernel kernel) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(1) == w.k,
+              "cam_jit packed_matmul: q must be contiguous int8 [M, ", w.k, "], got ", q.sizes());
+  TORCH_CHECK(kernel != GemmKernel::kIntMm && gemm_available(static_cast<int>(kernel)),
+              "cam_jit packed_matmul: kernel unavailable");
+  const int64_t m = q.size(0);
+  const int64_t parts = w.int4 ? 2 : 1;
+#if defined(CAM_JIT_X86)
+  if (kernel == GemmKernel::kVnni) {
+    at::Tensor out = at::empty({parts * m, w.n}, q.options().dtype(at::kInt));
+    if (m == 0) return out;
+    const int64_t groups = (w.np / kBlockN + kVnniNr - 1) / kVnniNr;
+    int32_t* o = out.data_ptr<int32_t>();
+    if (!w.int4) {
+      const Activations act = prepare_activations(q, w.kp, m, ActForm::kU8);
+      const uint8_t* a = reinterpret_cast<const uint8_t*>(act.a.data_ptr<int8_t>());
+      at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) { vnni_i8(a, m, w, o, g0, g1); });
+      return out;
+    }
+    const Activations act = prepare_activations(q, w.kp, m, ActForm::kNibbles);
+    const int8_t* hi = act.a.data_ptr<int8_t>();
+    const int8_t* lo = act.b.data_ptr<int8_t>();
+    const int32_t* sums = act.sum8.data_ptr<int32_t>();
+    at::parallel_for(0, groups, 1,
+                     [&](int64_t g0, int64_t g1) { vnni_i4(hi, lo, sums, sums + m, m, w, o, g0, g1); });
+    return out;
+  }
+  // AMX
+  const int64_t mp = round_up(std::max<int64_t>(m, 1), 16);
+  at::Tensor c = at::empty({parts, mp, w.np}, q.options().dtype(at::kInt));
+  int32_t* cp = c.data_ptr<int32_t>();
+  const uint8_t* panels = w.panel.data_ptr<uint8_t>();
+  const int64_t blocks = w.np / kBlockN;
+  if (!w.int4) {
+    const Activations act = prepare_activations(q, w.kp, mp, ActForm::kS8);
+    const int8_t* a = act.a.data_ptr<int8_t>();
+    at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+      amx_configure();
+      amx_i8_pairs(a, mp, panels, blocks, w.kp, cp, w.np, p0, p1);
+      amx_release();
+    });
+  } else {
+    const Activations act = prepare_activations(q, w.kp, mp, ActForm::kNibbles);
+    const int8_t* hi = act.a.data_ptr<int8_t>();
+    const int8_t* lo = act.b.data_ptr<int8_t>();
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      std::vector<uint8_t> raw(w.kp * kBlockN + 64);
+      uint8_t* scratch = reinterpret_cast<uint8_t*>(round_up(reinterpret_cast<intptr_t>(raw.data()), 64));
+      amx_configure();
+      amx_i4_blocks(hi, lo, mp, panels, w.kp, cp, cp + mp * w.np, w.np, b0, b1, scratch);
+      amx_release();
+    });
+  }
+  if (mp == m && w.np == w.n) return c.view({parts * m, w.n});
+  return c.narrow(1, 0, m).narrow(2, 0, w.n).contiguous().view({parts * m, w.n});
+#else
+  TORCH_CHECK(false, "cam_jit packed_matmul: no packed kernel on this architecture");
+#endif
+}
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Internal ops: the variant switch, prepacking ahead of time, the cache's size.
+
+std::vector<std::string> kernel_variants() {
+  std::vector<std::string> out;
+  for (int v = 0; v < 3; ++v)
+    if (gemm_available(v)) out.push_back(std::string("gemm:") + kGemmNames[v]);
+  for (int v = 0; v < 2; ++v)
+    if (vector_available(v)) out.push_back(std::string("vector:") + kVectorNames[v]);
+  return out;
+}
+
+// Sets the variants ("" keeps one) and returns the previous settings [gemm, vector].
+std::vector<std::string> select_kernels(const std::string& gemm, const std::string& vector) {
+  std::vector<std::string> previous = {setting_name(gemm_setting().load(), kGemmNames),
+                                       setting_name(vector_setting().load(), kVectorNames)};
+  const int g = gemm.empty() ? gemm_setting().load() : parse_variant(gemm, kGemmNames, 3, gemm_available, "GEMM");
+  const int v = vector.empty() ? vector_setting().load()
+                               : parse_variant(vector, kVectorNames, 2, vector_available, "vector");
+  gemm_setting().store(g);
+  vector_setting().store(v);
+  return previous;
+}
+
+// Packs `w` into the cache (int4: int32 words of packed int4) and returns the packed bytes.
+int64_t prepack_weight(const at::Tensor& w, bool int4) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == (int4 ? at::kInt : at::kChar),
+              "_cam_jit_cpu::prepack_weight: w must be a 2-D ", int4 ? "int32 (packed int4)" : "int8",
+              " matrix, got ", w.scalar_type(), " ", w.sizes());
+  const auto p = packed_matrix(w, int4);
+  return p->panel.nbytes() + (p->comp.defined() ? p->comp.nbytes() : 0);
+}
+
+// acc = q . w with GEMM variant `kernel` (tests compare the variants): q [M, K] int8, w int8
+// [K, N] or (int4) int32 [K, N/8]. Returns int32 [M, N] (int4: [2M, N], hi rows then lo rows).
+at::Tensor int8_matmul(const at::Tensor& q, const at::Tensor& w, bool int4, const std::string& kernel) {
+  check_cpu(q, "q");
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "_cam_jit_cpu::int8_matmul: q must be a 2-D int8 "
+              "matrix, got ", q.scalar_type(), " ", q.sizes());
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == (int4 ? at::kInt : at::kChar) && w.size(0) == q.size(1),
+              "_cam_jit_cpu::int8_matmul: w must be a 2-D ", int4 ? "int32 (packed int4)" : "int8", " [",
+              q.size(1), ", *] matrix, got ", w.scalar_type(), " ", w.sizes());
+  const int v = parse_variant(kernel, kGemmNames, 3, gemm_available, "GEMM");
+  TORCH_CHECK(v != kAuto && v != static_cast<int>(GemmKernel::kIntMm),
+              "_cam_jit_cpu::int8_matmul: kernel must be 'vnni' or 'amx', got '", kernel, "'");
+  return packed_matmul(q.contiguous(), *packed_matrix(w, int4), static_cast<GemmKernel>(v));
+}
+
+// Bytes held by the prepack cache (entries of dead storages dropped first); `clear` empties it.
+int64_t prepack_cache_bytes(bool clear) {
+  PrepackCache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  if (clear) c.entries.clear();
+  c.drop_expired();
+  return c.bytes();
+}
+
+}  // namespace
+}  // namespace cam_jit_cpu
+
+TORCH_LIBRARY_FRAGMENT(_cam_jit_cpu, m) {
+  m.def("kernel_variants() -> str[]", &cam_jit_cpu::kernel_variants);
+  m.def("select_kernels(str gemm, str vector) -> str[]", &cam_jit_cpu::select_kernels);
+  m.def("prepack_weight(Tensor w, bool int4) -> int");
+  m.def("int8_matmul(Tensor q, Tensor w, bool int4, str kernel) -> Tensor");
+  m.def("prepack_cache_bytes(bool clear) -> int", &cam_jit_cpu::prepack_cache_bytes);
+}
+
+TORCH_LIBRARY_IMPL(_cam_jit_cpu, CPU, m) {
+  m.impl("prepack_weight", &cam_jit_cpu::prepack_weight);
+  m.impl("int8_matmul", &cam_jit_cpu::int8_matmul);
+}

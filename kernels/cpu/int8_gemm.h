@@ -1,0 +1,51 @@
+// Exact int8 GEMMs of the CPU expert FFN on weights prepacked once per matrix, and the switch that
+// picks the kernel variants (runtime CPU dispatch: the library is built for the baseline ISA, so one
+// cached binary serves every CPU of its architecture).
+//
+// Integer products are exact however they are computed, so every GEMM variant returns the same
+// int32 accumulators as ATen's `_int_mm`; the float epilogues around them are untouched.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+
+namespace cam_jit_cpu {
+
+// The GEMM of the expert matmuls. kIntMm: ATen `_int_mm` on the weights as stored (portable).
+// kVnni: AVX512-VNNI (vpdpbusd) on prepacked weights. kAmx: AMX int8 tiles on prepacked weights.
+enum class GemmKernel { kIntMm = 0, kVnni = 1, kAmx = 2 };
+// The element-wise stages (quantisation, dequantisation, SwiGLU). kScalar: portable loops.
+// kAvx512: AVX512 intrinsics, bit-identical to the scalar loops.
+enum class VectorKernel { kScalar = 0, kAvx512 = 1 };
+
+// The GEMM variant for a product of `rows` activation rows (auto: AMX from 16 rows, VNNI below).
+GemmKernel gemm_kernel(int64_t rows);
+VectorKernel vector_kernel();
+
+// A weight matrix W [K, N] (int8, or int4 values packed 8 per int32 word as [K, N/8]) rearranged for
+// the VNNI/AMX kernels: 16-column blocks, each a contiguous panel of K/4 rows of 16 columns x 4
+// consecutive k (int8: [N/16][Kp/4][16][4] bytes, exactly an AMX B tile every 64 k). int4: two such
+// 64-byte rows per 64 bytes, k-group 2p in the low nibbles and 2p+1 in the high nibbles, each
+// nibble holding w + 8 (0..15). K is padded to Kp (multiple of 64) and N to Np (multiple of 16)
+// with zero weights.
+struct PackedMatrix {
+  at::Tensor panel;  // uint8, Np * Kp bytes (int8) or Np * Kp / 2 (int4)
+  at::Tensor comp;   // int32 [Np]: 128 * column sums of W (int8 only; the VNNI u8 offset)
+  int64_t k = 0, n = 0, kp = 0, np = 0;
+  bool int4 = false;
+};
+
+// The packed form of `w` (int8 [K, N], or int32 [K, N/8] words when `int4`), from the prepack
+// cache: keyed by storage, offset, shape, strides and the tensor's version counter, so an in-place
+// update repacks; entries die with their storage. Inference tensors (no version counter) are
+// packed afresh on every call.
+std::shared_ptr<const PackedMatrix> packed_matrix(const at::Tensor& w, bool int4);
+
+// acc = q . W exactly, with q [M, K] int8 contiguous. W8A8: int32 [M, N]. int4 weights (W4A8):
+// int32 [2M, N], rows 0..M-1 = hi . W and rows M..2M-1 = lo . W with hi = q >> 4 and
+// lo = (q & 15) - 8 (the W4A8 nibble split). `kernel` is kVnni or kAmx.
+at::Tensor packed_matmul(const at::Tensor& q, const PackedMatrix& w, GemmKernel kernel);
+
+}  // namespace cam_jit_cpu

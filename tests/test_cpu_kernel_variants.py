@@ -1,0 +1,194 @@
+"""Every CPU kernel variant the build can select on this machine, forced one at a time: the GEMMs
+(`int_mm` portable, `vnni` AVX512-VNNI and `amx` AMX on prepacked weights) are exact, and the whole
+fused_deep_moe op is bit-identical across all GEMM x element-wise (`scalar`, `avx512`) variants and
+to the plain-torch reference. Also: the prepack cache follows in-place weight updates, the
+preparation API, and the argument checks of the internal ops."""
+import contextlib
+import platform
+
+import pytest
+import torch
+
+import cam_jit
+from cam_jit import reference
+from cam_jit.ops._kernels import cpu_kernels
+from moe_cases import make_rank_case
+
+
+def available(kind):
+    return [v.split(":", 1)[1] for v in cpu_kernels().kernel_variants() if v.startswith(kind + ":")]
+
+
+@contextlib.contextmanager
+def forced(gemm="", vector=""):
+    previous = cpu_kernels().select_kernels(gemm, vector)
+    try:
+        yield
+    finally:
+        cpu_kernels().select_kernels(*previous)
+
+
+def cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return []
+
+
+def test_portable_variants_always_exist_and_this_cpu_gets_its_own():
+    gemms, vectors = available("gemm"), available("vector")
+    assert "int_mm" in gemms and "scalar" in vectors
+    flags = cpu_flags()
+    if platform.machine() == "x86_64" and {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= set(flags):
+        assert "avx512" in vectors
+        if "avx512_vnni" in flags:
+            assert "vnni" in gemms
+    if platform.machine() != "x86_64":
+        assert gemms == ["int_mm"] and vectors == ["scalar"]
+
+
+PACKED = [g for g in ("vnni", "amx") if g in available("gemm")]
+GEMM_SHAPES = [(1, 64, 16), (3, 72, 80), (15, 1, 17), (16, 200, 48), (17, 64, 1), (40, 130, 33)]
+
+
+@pytest.mark.skipif(not PACKED, reason="no packed int8 GEMM on this CPU")
+@pytest.mark.parametrize("kernel", PACKED)
+def test_packed_gemm_is_exact(kernel):
+    gen = torch.Generator().manual_seed(11)
+    for m, k, n in GEMM_SHAPES:
+        q = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=gen)
+        w8 = torch.randint(-128, 128, (k, n), dtype=torch.int8, generator=gen)
+        exact = (q.long() @ w8.long()).int()
+        assert torch.equal(cpu_kernels().int8_matmul(q, w8, False, kernel), exact), (kernel, m, k, n)
+        n4 = 8 * ((n + 7) // 8)
+        w4 = torch.randint(-8, 8, (k, n4), dtype=torch.int8, generator=gen)
+        hi, lo = q.long() >> 4, (q.long() & 15) - 8
+        exact4 = torch.cat([hi @ w4.long(), lo @ w4.long()]).int()
+        got4 = cpu_kernels().int8_matmul(q, cam_jit.pack_int4(w4), True, kernel)
+        assert torch.equal(got4, exact4), (kernel, "int4", m, k, n4)
+
+
+CASES = [
+    dict(variant="w8a8", bs=13, hidden=72, inter=40, experts=4, topk=3, share_inter=24, minus_one_frac=0.2,
+         zero_rows=[2]),
+    dict(variant="w8a8", bs=40, hidden=128, inter=64, experts=2, topk=2, smooth=True, share_inter=32,
+         dtype=torch.float16),
+    dict(variant="w4a8", bs=11, hidden=64, inter=48, experts=4, topk=2, share_inter=16, minus_one_frac=0.1),
+    dict(variant="w4a8", bs=36, hidden=128, inter=32, experts=2, topk=2, smooth=True, share_inter=32,
+         per_expert_lists=True, active_counts=[30]),
+]
+
+
+def run_op(kw):
+    with torch.no_grad():
+        return cam_jit.fused_deep_moe(**kw)
+
+
+def bits(t):
+    return t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
+def same(a, b):
+    """Bitwise equal, with NaN equal to NaN whatever its payload (the reference's NaN bits are not
+    part of the contract; between our own variants they are compared exactly)."""
+    if a.dtype == torch.int64:
+        return torch.equal(a, b)
+    nan = torch.isnan(a)
+    return torch.equal(nan, torch.isnan(b)) and torch.equal(bits(a)[~nan], bits(b)[~nan])
+
+
+@pytest.mark.parametrize("params", CASES, ids=lambda p: f"{p['variant']}-bs{p['bs']}")
+def test_every_variant_bit_identical_to_reference(params):
+    kw = make_rank_case(5, 0, ranks=1, **params)
+    kw["x"][4, 3] = float("nan")  # a non-finite token: NaN must reach the same outputs in every variant
+    with torch.no_grad():
+        ref = reference.fused_deep_moe(**kw)
+    with forced("int_mm", "scalar"):
+        portable = run_op(kw)
+    for name, a, b in zip(("output", "share_output", "expert_token_nums"), portable, ref):
+        assert same(a, b), f"int_mm/scalar: {name} differs from the reference"
+    combos = [(g, v) for g in available("gemm") for v in available("vector")]
+    for gemm, vector in combos:
+        with forced(gemm, vector):
+            got = run_op(kw)
+        for name, a, b in zip(("output", "share_output", "expert_token_nums"), got, portable):
+            assert torch.equal(bits(a), bits(b)), f"{gemm}/{vector}: {name} differs from int_mm/scalar"
+
+
+@pytest.mark.skipif(not PACKED, reason="no packed int8 GEMM on this CPU")
+def test_prepack_cache_follows_in_place_updates_and_can_be_cleared():
+    kw = make_rank_case(6, 0, ranks=1, variant="w8a8", bs=8, hidden=64, inter=32, experts=2, topk=2)
+    w1 = kw["gmm1_weight"][0]
+    assert cam_jit.prepare_expert_weights(kw["gmm1_weight"], kw["gmm2_weight"]) >= w1.numel()
+    assert cam_jit.prepared_weights_bytes() >= w1.numel()
+    with forced(PACKED[0]):
+        before = run_op(kw)[0]
+        w1[1].neg_()  # in place through a view: the version counter moves, the packed copy is rebuilt
+        after = run_op(kw)[0]
+    with forced("int_mm"):
+        expected = run_op(kw)[0]
+    assert not torch.equal(bits(before), bits(after))
+    assert torch.equal(bits(after), bits(expected))
+    cam_jit.clear_prepared_weights()
+    assert cam_jit.prepared_weights_bytes() == 0
+
+
+@pytest.mark.skipif(not PACKED, reason="no packed int8 GEMM on this CPU")
+def test_inference_tensor_weights_are_packed_per_call():
+    with torch.inference_mode():
+        kw = make_rank_case(7, 0, ranks=1, variant="w4a8", bs=5, hidden=64, inter=32, experts=2, topk=2)
+        with forced(PACKED[0]):
+            got = run_op(kw)
+        with forced("int_mm"):
+            expected = run_op(kw)
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, expected))
+
+
+def test_prepare_without_packed_kernel_returns_zero():
+    kw = make_rank_case(8, 0, ranks=1, variant="w8a8", bs=2, hidden=64, inter=32, experts=2, topk=2)
+    with forced("int_mm"):
+        assert cam_jit.prepare_expert_weights(kw["gmm1_weight"], kw["gmm2_weight"]) == 0
+
+
+def test_prepare_rejects_bad_weights():
+    with pytest.raises(TypeError, match="gmm1_weight"):
+        cam_jit.prepare_expert_weights([torch.zeros(4, 4)], [torch.zeros(4, 4, dtype=torch.int8)])
+    with pytest.raises(ValueError, match="gmm2_weight"):
+        cam_jit.prepare_expert_weights(torch.zeros(4, 4, dtype=torch.int8), torch.zeros(4, dtype=torch.int8))
+
+
+def test_select_kernels_names_the_choices():
+    with pytest.raises(RuntimeError, match="unknown GEMM kernel 'fast'.*int_mm"):
+        cpu_kernels().select_kernels("fast", "")
+    with pytest.raises(RuntimeError, match="unknown vector kernel 'sse'.*scalar"):
+        cpu_kernels().select_kernels("", "sse")
+    assert cpu_kernels().select_kernels("", "") == cpu_kernels().select_kernels("", "")
+
+
+def test_internal_ops_check_arguments():
+    k = cpu_kernels()
+    q = torch.zeros(2, 8, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="q must be a 2-D int8"):
+        k.int8_matmul(q.float(), torch.zeros(8, 4, dtype=torch.int8), False, "vnni")
+    with pytest.raises(RuntimeError, match=r"w must be a 2-D int8 \[8, \*\]"):
+        k.int8_matmul(q, torch.zeros(7, 4, dtype=torch.int8), False, "vnni")
+    with pytest.raises(RuntimeError, match="kernel must be 'vnni' or 'amx'|cannot run on this CPU"):
+        k.int8_matmul(q, torch.zeros(8, 4, dtype=torch.int8), False, "int_mm")
+    with pytest.raises(RuntimeError, match="prepack_weight: w must be a 2-D int32"):
+        k.prepack_weight(torch.zeros(8, 4, dtype=torch.int8), True)
+    ids = torch.tensor([[0, 5]], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"expert_ids\[0, 1\] = 5 outside \[-1, 4\)"):
+        k.route_pairs(ids, 1, 4)
+    with pytest.raises(RuntimeError, match="active must be in"):
+        k.route_pairs(ids, 2, 8)
+
+
+def test_route_pairs_sorts_stably_by_expert():
+    ids = torch.tensor([[2, 0, -1], [0, 2, 1], [1, 1, 0]], dtype=torch.int32)
+    pos, token, expert, counts, rows = cpu_kernels().route_pairs(ids, 2, 3)
+    assert pos.tolist() == [1, 3, 5, 0, 4]
+    assert token.tolist() == [0, 1, 1, 0, 1]
+    assert expert.tolist() == [0, 0, 1, 2, 2]
+    assert counts.tolist() == [2, 1, 2]
+    assert rows.tolist() == [[3, 0, -1], [1, 4, 2], [-1, -1, -1]]
