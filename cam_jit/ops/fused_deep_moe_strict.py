@@ -116,8 +116,9 @@ def check_attributes(args: Dict[str, object]) -> None:
         _fail("quant_mode", "quantMode must be 0 (reserved).", f"quant_mode = {args['quant_mode']}", doc=True)
     name = args["group_ep"]
     if args["ep_rank_size"] > 1 and not 0 < len(name) < GROUP_NAME_MAX:
-        _fail("group_ep", f"the group name length must be in (0, {GROUP_NAME_MAX}) (an HCCL communicator name; "
-              "pass the ProcessGroup or its group_name)", f"length {len(name)}: {name[:32]!r}", doc=True)
+        _fail("group_ep", f"the group name length must be in (0, {GROUP_NAME_MAX}) (on the NPU the kernel takes the "
+              "group's HCCL communicator name, which cam_jit looks up; pass the ProcessGroup or its group_name)",
+              f"length {len(name)}: {name[:32]!r}", doc=True)
 
 
 def _check_bias_list(arg: str, name: str, items: List[torch.Tensor], width: int, width_text: str,
