@@ -259,3 +259,15 @@ def test_backward_is_refused():
     out, _, _ = cam_jit.fused_deep_moe(**args)
     with pytest.raises(RuntimeError, match="inference-only"):
         out.float().sum().backward()
+
+
+def test_backward_through_a_weight_list_is_refused_and_no_grad_records_nothing():
+    args = good_args()
+    args["gmm1_weight_scale"] = [args["gmm1_weight_scale"].requires_grad_(True)]  # inside a Tensor[] argument
+    out, share_out, counts = cam_jit.fused_deep_moe(**args)
+    assert out.requires_grad and not counts.requires_grad
+    with pytest.raises(RuntimeError, match="cam_jit::fused_deep_moe is inference-only"):
+        out.float().sum().backward()
+    with torch.no_grad():
+        again = cam_jit.fused_deep_moe(**args)
+    assert not any(t.requires_grad for t in again) and torch.equal(again[0], out.detach())

@@ -21,7 +21,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from cam_jit.ascend import build, discover, hccl, opp, registry
+from cam_jit.ascend import hccl
+
+# cam_jit.ascend's build, discover, opp and registry modules are imported where used: importing
+# cam_jit registers these kernels, and only an NPU call needs the rest.
 
 TENSOR_API_LIBS = ("lib64/libnnopbase.so", "lib/libnnopbase.so")  # under the CANN home
 ERROR_TEXT_LIBS = ("lib64/libascendcl.so", "lib/libascendcl.so")  # aclGetRecentErrMsg's home
@@ -43,6 +46,8 @@ _LOCK = threading.Lock()
 def search_libraries() -> List[str]:
     """The aclnn libraries to search, in order, then CANN's tensor-API library and the library
     defining aclGetRecentErrMsg (the opapi libraries need not export it)."""
+    from cam_jit.ascend import discover, opp
+
     cann = discover.find_cann()
     libs = opp.library_search_order(opp.find_vendors(cann), cann)
     if cann.home is not None:
@@ -53,6 +58,8 @@ def search_libraries() -> List[str]:
 
 def aclnn_table() -> Dict[str, str]:
     """torch op -> aclnn entry point stem, from the registry (variants of one op share it)."""
+    from cam_jit.ascend import registry
+
     table: Dict[str, str] = {}
     for entry in registry.ops().values():
         if entry.torch_op and entry.aclnn:
@@ -77,6 +84,7 @@ def binding() -> Binding:
     with _LOCK:
         if _BINDING is None:
             from cam_jit import jit
+            from cam_jit.ascend import build, discover, opp
 
             jit.load("npu")
             choice = opp.detect_fdm_abi(opp.find_vendors(discover.find_cann()))
@@ -97,6 +105,8 @@ def _zeroed(outputs):
 
 def _fdm_abi_code(b: Binding, weight: torch.Tensor) -> int:
     """The ABI code for this call; RuntimeError when the installed prototype cannot take it."""
+    from cam_jit.ascend import registry
+
     facts = registry.fdm_abi()
     if b.fdm_abi is None:
         raise RuntimeError(f"fused_deep_moe on NPU: cannot tell which aclnnFusedDeepMoe prototype "
@@ -152,6 +162,8 @@ def fused_deep_moe(x, expert_ids, gmm1_weight, gmm1_weight_scale, gmm2_weight, g
     b = binding()
     abi = _fdm_abi_code(b, gmm1_weight[0])
     if b.fdm_abi == "base":
+        from cam_jit.ascend import opp
+
         raise RuntimeError(f"fused_deep_moe on NPU: the installed aclnnFusedDeepMoe is the base (SHMEM) "
                            f"package ({b.fdm_how}), which serves {opp.FDM_SERVES['base']}; "
                            f"{opp.PLAIN_CALL_PACKAGES}")
@@ -216,9 +228,10 @@ _REGISTERED: List[str] = []
 
 
 def register() -> List[str]:
-    """Register the PrivateUse1 kernel of every registry op that has a cam_jit schema defined
-    (idempotent; needs neither torch_npu nor a compiler). Returns the ops registered so far."""
-    for name in registry.torch_ops():
+    """Register the PrivateUse1 kernel of every op of KERNELS (the registry's ops with an NPU
+    binding, a test checks they agree) that has a cam_jit schema defined (idempotent; needs
+    neither torch_npu nor a compiler, reads no file). Returns the ops registered so far."""
+    for name in KERNELS:
         qualname = f"cam_jit::{name}"
         if name in _REGISTERED or not _defined(qualname):
             continue

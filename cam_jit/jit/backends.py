@@ -3,10 +3,13 @@
 The CPU backend compiles every ``*.cpp`` of the kernels directory's ``cpu/`` folder. The NPU
 backend compiles the aclnn wrappers (``wrappers/``, spec in :mod:`cam_jit.ascend.build`, with
 torch_npu/CANN/SoC facts in ``extra_key``); it is available only where torch_npu is importable.
+The ``cpu_zb`` backend is FusedDeepMoeBuffer's shared-memory transport (spec in
+:mod:`cam_jit.zero_buffer._heap`), compiled on a buffer's first ``init``.
 """
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Optional
@@ -55,6 +58,18 @@ def _npu_spec() -> BuildSpec:
     return npu_spec()
 
 
+def _zb_unavailable() -> Optional[str]:
+    if not os.path.isdir("/dev/shm"):
+        return "POSIX shared memory (/dev/shm) is not available on this system"
+    return None
+
+
+def _zb_spec() -> BuildSpec:
+    from cam_jit.zero_buffer._heap import zb_spec  # lazy: cam_jit imports the zero buffer on first use
+
+    return zb_spec()
+
+
 @dataclass(frozen=True)
 class Backend:
     """A registered backend: ``make_spec`` builds its :class:`BuildSpec` (None: not buildable in
@@ -76,6 +91,7 @@ def register_backend(name: str, make_spec: Optional[Callable[[], BuildSpec]],
 
 register_backend("cpu", cpu_spec)
 register_backend("npu", _npu_spec, _npu_unavailable)
+register_backend("cpu_zb", _zb_spec, _zb_unavailable)  # FusedDeepMoeBuffer's shared-memory transport
 
 
 def default_backend() -> str:

@@ -25,13 +25,14 @@ class OpInfo:
 
 
 OPS: List[OpInfo] = []
+_LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")  # holds every registration of the ops
 
 
 def define_op(info: OpInfo, fake: Callable, kernel: Callable, dispatch_key: str = "CPU") -> None:
     """Defines the op, registers its fake kernel and its `kernel` for `dispatch_key` ("CPU", or
     "CompositeExplicitAutograd" for ops without tensor inputs), and makes it inference-only."""
-    torch.library.define(info.qualname, info.schema)
-    torch.library.register_fake(info.qualname, fake)
-    torch.library.impl(info.qualname, dispatch_key, kernel)
-    register_inference_only(info.qualname)
+    _LIBRARY.define(info.name + info.schema)
+    torch.library.register_fake(info.qualname, fake, lib=_LIBRARY)
+    _LIBRARY.impl(info.name, kernel, dispatch_key)
+    register_inference_only(_LIBRARY, info.name)
     OPS.append(info)

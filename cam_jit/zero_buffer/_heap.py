@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from cam_jit.jit import kernels_dir, load, register_backend
+from cam_jit.jit import kernels_dir, load
 from cam_jit.jit.backends import CPU_CFLAGS, CPU_LDFLAGS
 from cam_jit.jit.errors import JitError
 from cam_jit.jit.spec import BuildSpec
@@ -49,15 +49,6 @@ def zb_spec() -> BuildSpec:
     return BuildSpec(backend=BACKEND, name="cam_jit_cpu_zb", root=root, sources=sources,
                      headers=tuple(sorted(folder.rglob("*.h"))), include_dirs=(folder,),
                      cflags=CPU_CFLAGS, ldflags=CPU_LDFLAGS)
-
-
-def _zb_unavailable() -> Optional[str]:
-    if not os.path.isdir("/dev/shm"):
-        return "POSIX shared memory (/dev/shm) is not available on this system"
-    return None
-
-
-register_backend(BACKEND, zb_spec, _zb_unavailable)
 
 
 def zb_kernels():
