@@ -41,3 +41,12 @@ def rank_pool():
     yield get
     for pool in pools.values():
         pool.close()
+
+
+@pytest.fixture(scope="session")
+def npu_harness():
+    """The NPU wrapper library built with the test runtime and the stand-in SHMEM
+    (tests/npu_sim/standin.py): (op namespace, ctypes library)."""
+    from npu_sim import standin
+
+    return standin.build_harness()

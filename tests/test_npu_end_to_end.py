@@ -29,20 +29,14 @@ SOLO = "hccl_comm:solo"  # an HCCL communicator name of a one-rank group (passed
 
 @pytest.fixture(scope="module")
 def sims(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sim_e2e")
-    return {name: standin.Sim(standin.build_sim(out, name, f"-DSIM_FDM_ABI={code}"))
-            for name, code in (("base", 0), ("w4a8", 1), ("master", 2))}
-
-
-@pytest.fixture(scope="module")
-def harness():
-    return standin.build_harness()
+    variants = {name: [f"-DSIM_FDM_ABI={code}"] for name, code in (("base", 0), ("w4a8", 1), ("master", 2))}
+    return standin.build_sims(tmp_path_factory.mktemp("sim_e2e"), variants)
 
 
 @pytest.fixture
-def npu(sims, harness, monkeypatch):
+def npu(sims, npu_harness, monkeypatch):
     """bind(variant) binds npu_ops to the harness and that sim, executing; yields (bind, lib)."""
-    ops, lib = harness
+    ops, lib = npu_harness
     monkeypatch.setitem(standin.COMMUNICATORS, SOLO, "")
     monkeypatch.setattr(hccl, "backend_comm_name", standin.hccl_comm_name)
     active = []
@@ -219,12 +213,12 @@ def test_a_torch_group_name_that_is_no_hccl_name_fails_in_the_kernel(npu):
         npu_ops.fused_deep_moe(**case(group_ep="my_group"))
 
 
-def test_zero_buffer_through_shmem_and_the_base_prototype_is_bit_identical(sims, harness, monkeypatch):
+def test_zero_buffer_through_shmem_and_the_base_prototype_is_bit_identical(sims, npu_harness, monkeypatch):
     """The buffer path: UMDK cam_feature src/cam/comm_operator/pybind/buffer.cpp (Buffer::init,
     zb_fused_deep_moe) -> SHMEM heap, then aclnnFusedDeepMoe's base prototype with ext_info,
     shmem_workspace and memsize - 2 MiB; the stand-in kernel accepts only this PE's live SHMEM
     allocations."""
-    ops, _ = harness
+    ops, _ = npu_harness
     shmem = standin.SHMEM[0]
     shmem.sim_shmem_reset()
     sim = sims["base"]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cam_jit.ascend import npu_ops, registry
-from npu_sim.standin import STREAM, Sim, build_harness, build_sim
+from npu_sim.standin import STREAM, build_sims
 
 BF16, F32, INT8, INT32, INT64, BOOL = 27, 0, 2, 3, 9, 12  # aclDataType, acl_base.h
 ND, NZ = 2, 29  # aclFormat
@@ -25,19 +25,13 @@ def sims(tmp_path_factory):
     out = tmp_path_factory.mktemp("sim")
     variants = {"base": ["-DSIM_FDM_ABI=0"], "w4a8": ["-DSIM_FDM_ABI=1"],
                 "master": ["-DSIM_FDM_ABI=2"], "api_only": ["-DSIM_TENSOR_API_ONLY"]}
-    return {name: Sim(build_sim(out, name, *flags)) for name, flags in variants.items()}
-
-
-@pytest.fixture(scope="module")
-def harness():
-    """The wrapper library built for tests (cached by the JIT engine like any backend)."""
-    return build_harness()
+    return build_sims(out, variants)
 
 
 @pytest.fixture
-def bound(sims, harness):
+def bound(sims, npu_harness):
     """Bind npu_ops to the harness; returns (bind(libraries, abi), the private ops, ctypes lib)."""
-    ops, lib = harness
+    ops, lib = npu_harness
     for sim in sims.values():
         sim.lib.sim_reset()
 
@@ -365,8 +359,8 @@ def test_unsupported_dtype_names_the_argument_and_releases_handles(sims, bound):
     assert sim.live() == 0 and sim.calls() == []
 
 
-def test_every_registry_op_has_a_private_op(harness):
-    ops, _ = harness
+def test_every_registry_op_has_a_private_op(npu_harness):
+    ops, _ = npu_harness
     for name in registry.torch_ops():
         assert hasattr(ops, name), name
     assert set(registry.torch_ops()) == set(npu_ops.KERNELS)

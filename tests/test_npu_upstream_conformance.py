@@ -26,18 +26,13 @@ def sims(tmp_path_factory):
     out = tmp_path_factory.mktemp("sim_conformance")
     variants = {"base": ["-DSIM_FDM_ABI=0"], "master": ["-DSIM_FDM_ABI=2"],
                 "no_errmsg": ["-DSIM_FDM_ABI=2", "-DSIM_NO_ERRMSG"], "ascendcl": ["-DSIM_ERRMSG_ONLY"]}
-    return {name: standin.Sim(standin.build_sim(out, name, *flags)) for name, flags in variants.items()}
-
-
-@pytest.fixture(scope="module")
-def harness():
-    return standin.build_harness()
+    return standin.build_sims(out, variants)
 
 
 @pytest.fixture
-def bound(sims, harness, monkeypatch):
+def bound(sims, npu_harness, monkeypatch):
     """bind(variant, *more) binds npu_ops to the harness and those sims (not executing)."""
-    ops, lib = harness
+    ops, lib = npu_harness
     monkeypatch.setattr(hccl, "backend_comm_name", standin.hccl_comm_name)
 
     def bind(*variants, abi="master"):
@@ -215,12 +210,12 @@ def test_detour_ops_have_no_npu_kernel(bound):
 
 
 # ---- 5. SHMEM bootstrap ------------------------------------------------------------------------
-def test_shmem_tls_is_set_before_the_bootstrap(harness):
+def test_shmem_tls_is_set_before_the_bootstrap(npu_harness):
     """UMDK src/cam/comm_operator/pybind/buffer.cpp (Buffer::init) calls
     ``aclshmemx_set_conf_store_tls(false, nullptr, 0)`` before ``aclshmemx_init_attr``: SHMEM
     releases before Feb 2026 otherwise demand TLS certificates (the stand-in's bootstrap fails
     then). With CAM_JIT_SHMEM_TLS_INFO set, TLS is turned on with that text instead."""
-    ops, _ = harness
+    ops, _ = npu_harness
     shmem = standin.SHMEM[0]
     shmem.sim_shmem_reset()
     ext, work = ops.zb_shmem_init(0, 1, 4 << 20, "tcp://127.0.0.1:1", "")
@@ -238,13 +233,13 @@ def test_shmem_tls_is_set_before_the_bootstrap(harness):
 
 
 # ---- 6. task queue -----------------------------------------------------------------------------
-def test_the_launch_is_queued_after_the_workspace_query(bound, harness):
+def test_the_launch_is_queued_after_the_workspace_query(bound, npu_harness):
     """op-plugin's EXEC_NPU_CMD_V1 (third_party/op-plugin/op_plugin/utils/op_api_common.h in the
     torch-npu 2.13.0 wheel): aclnnXGetWorkspaceSize and the workspace allocation run on the calling
     thread with the stream taken without draining the queue (stream(false)); aclnnX and
     ReleaseConvertTypes run in the lambda given to OpCommand::RunOpApiV2, i.e. on the task queue,
     in order with torch_npu's own ops."""
-    _, lib = harness
+    _, lib = npu_harness
     sim = bound("master")
     sim.lib.sim_set_workspace(4096)
     lib.cam_jit_test_defer_launches(1)

@@ -70,6 +70,11 @@ def build_sim(out_dir: Path, name: str, *flags: str) -> Path:
     return path
 
 
+def build_sims(out_dir: Path, variants: Dict[str, Sequence[str]]) -> Dict[str, "Sim"]:
+    """One :class:`Sim` per variant name, each built with its macro flags."""
+    return {name: Sim(build_sim(out_dir, name, *flags)) for name, flags in variants.items()}
+
+
 def shmem_library() -> Path:
     """The stand-in SHMEM library, compiled once per content into a per-user temporary directory
     (a stable path, so the harness linking it stays cached by the JIT engine across sessions)."""
