@@ -153,6 +153,20 @@ def worker(rank, args, gloo_port, zb_port, out):
         out.put(rows)
 
 
+def spawn_ranks(worker, args, *extra, timeout: float = 3600):
+    """Runs worker(rank, args, *extra, queue) in args.ranks spawned processes; returns what rank 0
+    puts on the queue."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, args, *extra, out)) for r in range(args.ranks)]
+    for proc in procs:
+        proc.start()
+    rows = out.get(timeout=timeout)
+    for proc in procs:
+        proc.join()
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=2)
@@ -170,15 +184,7 @@ def main(argv=None):
     if args.experts % args.ranks or args.topk > args.experts:
         p.error("--experts must be a multiple of --ranks and >= --topk")
     cam_jit.load()
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    gloo_port, zb_port = free_port(), free_port()
-    procs = [ctx.Process(target=worker, args=(r, args, gloo_port, zb_port, out)) for r in range(args.ranks)]
-    for proc in procs:
-        proc.start()
-    rows = out.get(timeout=1800)
-    for proc in procs:
-        proc.join()
+    rows = spawn_ranks(worker, args, free_port(), free_port())
     print(f"FusedDeepMoeBuffer (shared memory) vs fused_deep_moe (gloo): {args.ranks} ranks, H={args.hidden}, "
           f"I={args.inter}, E={args.experts}, top-{args.topk}, bf16, {args.threads} thread(s) per rank, "
           f"{os.cpu_count()} cores")

@@ -14,6 +14,7 @@ RUNS = {
                                "--eplb"],
     "fused_deep_moe_w4a8": ["fused_deep_moe_w4a8_sample.py", *SMALL, "--share", "--smooth"],
     "fused_deep_moe_shmem": ["fused_deep_moe_shmem_sample.py", *SMALL, "--ranks", "4", "--share", "--smooth", "--mask"],
+    "moe_prefill": ["moe_prefill_sample.py", *SMALL[:-2], "--bs", "24", "--iters", "1"],
     "a2e_e2a": ["a2e_e2a_sample.py", "--experts", "1", "--attention", "3", "--bs", "6", "--hidden", "256",
                 "--iters", "1"],
 }

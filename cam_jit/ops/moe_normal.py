@@ -272,14 +272,12 @@ def _expand_pairs(op, rows, src_token, src_ids, src_slot, source, counts, total,
     if row.numel() and int(torch.bincount(row).max()) > 1:
         raise RuntimeError(f"{op}: two received pairs claim the same row; send_token_idx differs between ranks' "
                            "layouts")
-    recv_x = rows[0].new_zeros((total, hidden))
-    recv_x[row] = rows[0][token_of_pair]
-    recv_scales = torch.zeros(total, dtype=torch.float32)
-    if len(rows) > 1:
-        recv_scales[row] = rows[1][token_of_pair]
-    assist = torch.empty((total, ASSIST_FIELDS), dtype=torch.int32)
-    assist[row] = torch.stack([src, src_token[token_of_pair].to(torch.int64), k], 1).to(torch.int32)
-    return recv_x, recv_scales, assist
+    pair_of_row = torch.empty(total, dtype=torch.int64)  # a permutation: every row filled exactly once
+    pair_of_row[row] = torch.arange(total)
+    token_of_row = token_of_pair[pair_of_row]
+    recv_scales = rows[1][token_of_row] if len(rows) > 1 else torch.zeros(total, dtype=torch.float32)
+    assist = torch.stack([src[pair_of_row], src_token[token_of_row].to(torch.int64), k[pair_of_row]], 1)
+    return rows[0][token_of_row].view(total, hidden), recv_scales, assist.to(torch.int32)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -327,7 +325,7 @@ def _combine_cpu(recv_x, assist_info_for_combine, recv_count, expert_ids, expert
                            or int(k.min()) < 0 or int(k.max()) >= topk):
         check.fail(op, "assist_info_for_combine", f"(source rank in [0, {ranks}), token >= 0, k in [0, {topk})) "
                    "per row, from moe_dispatch_normal", f"rows outside those ranges")
-    order = torch.sort(source, stable=True).indices
+    order = torch.sort(source, stable=True).indices if ranks > 1 else slice(None)  # rows grouped by destination
     send_counts = torch.bincount(source, minlength=ranks)
     group = resolve_group(op, group_ep, ranks, ep_rank_id) if ranks > 1 else None
     if group is not None:
