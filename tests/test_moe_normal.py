@@ -141,11 +141,11 @@ def disagreeing_hidden_size(hidden_by_rank):
 
 def test_ranks_that_disagree_fail_on_every_rank(rank_pool):
     for message in rank_pool(2).run(disagreeing_hidden_size, [32, 16]):
-        assert message is not None and "'x (hidden size H)'" in message and "rank 0: 32, rank 1: 16" in message
+        assert message is not None and "'x (hidden size H)'" in message and "by rank {0: 32, 1: 16}" in message
 
 
-def mismatched_notify(seed):
-    """Rank 1 dispatches with notify outputs computed for a different routing."""
+def mismatched_notify(rank1_quant_mode):
+    """Rank 1 dispatches with notify outputs computed for a different routing (and a given quant_mode)."""
     rank = dist.get_rank()
     ids = torch.tensor([[0, 3], [1, 2]], dtype=torch.int32)
     x = torch.ones(2, 16, dtype=torch.bfloat16)
@@ -157,7 +157,7 @@ def mismatched_notify(seed):
         recv_count = torch.tensor([0, 1, 2, 2], dtype=torch.int32)  # claims fewer rows than arrive
     try:
         moe_dispatch_normal(x, ids, notify[0], layout[3], notify[1], recv_count, moe_expert_num=4,
-                            num_recv_tokens=int(recv_count[-1]), **group)
+                            num_recv_tokens=int(recv_count[-1]), quant_mode=rank1_quant_mode if rank else 0, **group)
     except (RuntimeError, ValueError) as err:
         return str(err)
     return None
@@ -166,7 +166,13 @@ def mismatched_notify(seed):
 def test_dispatch_rejects_counts_that_do_not_match_the_rows(rank_pool):
     messages = rank_pool(2).run(mismatched_notify, 0)
     assert messages[1] is not None and "argument 'recv_count'" in messages[1], messages
-    assert messages[0] is not None and "rank(s) [1]" in messages[0], messages  # rank 0 does not wait for rows
+    assert messages[0] is not None and "rank(s) [1] passed a recv_count" in messages[0], messages
+
+
+def test_a_rank_that_rejects_its_arguments_stops_the_others(rank_pool):
+    messages = rank_pool(2).run_with_timeout(30, mismatched_notify, 1)
+    assert messages[1] is not None and "argument 'quant_mode'" in messages[1], messages
+    assert messages[0] is not None and "rank(s) [1]" in messages[0] and "rejected" in messages[0], messages
 
 
 # ------------------------------------------------------------------------------------------------
@@ -198,8 +204,8 @@ def test_layout_bad_arguments(ids, kwargs, exc, fragments):
 
 @pytest.mark.parametrize("counts, kwargs, exc, fragments", [
     (torch.ones(4), {}, TypeError, ["moe_notify_dispatch", "'num_tokens_per_expert'", "int32", "float32"]),
-    (torch.ones(3, dtype=torch.int32), {"ep_rank_size": 2, "ep_rank_id": 0, "group_ep": "nope"}, ValueError,
-     ["'num_tokens_per_expert'", "multiple of ep_rank_size (2)", "[3]"]),
+    (torch.ones(0, dtype=torch.int32), {}, ValueError, ["'num_tokens_per_expert'", "multiple of ep_rank_size (1)",
+                                                         "[0]"]),
     (torch.tensor([1, -1, 0, 0], dtype=torch.int32), {}, ValueError, ["'num_tokens_per_expert'", ">= 0", "-1"]),
     (torch.ones(4, dtype=torch.int32), {"num_tokens": -1}, ValueError, ["'num_tokens'", ">= 0"]),
     (torch.ones(4, dtype=torch.int32), {"ep_rank_id": 1}, ValueError, ["'ep_rank_id'", "got 1"]),

@@ -6,15 +6,13 @@ top-k ids restricted to that rank's experts; the receiver expands them into one 
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from cam_jit.ops import _exchange, _moe_cpu
-from cam_jit.ops._checks import dtype_name
 
-_DTYPE_CODES = (torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.int32, torch.int64)
 _EPS = torch.tensor(1e-12, dtype=torch.float32)
 _C127 = torch.tensor(127.0, dtype=torch.float32)
 _ONE = torch.tensor(1.0, dtype=torch.float32)
@@ -51,30 +49,72 @@ def quantize_tokens(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return q, torch.div(_ONE, s)
 
 
-def dtype_code(dtype: torch.dtype) -> int:
-    return _DTYPE_CODES.index(dtype) if dtype in _DTYPE_CODES else len(_DTYPE_CODES)
-
-
 def gather_ints(op: str, group: "dist.ProcessGroup", values: Sequence[int]) -> torch.Tensor:
-    """All ranks' `values` as [R, len(values)] int64 (one all_gather)."""
+    """All ranks' `values` (the same length on every rank) as [R, len(values)] int64."""
     mine = torch.tensor(list(values), dtype=torch.int64)
     parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    _exchange.wait(dist.all_gather(parts, mine, group=group, async_op=True), op, "argument agreement", group)
+    _exchange.wait(dist.all_gather(parts, mine, group=group, async_op=True), op, "count exchange", group)
     return torch.stack(parts)
 
 
-def require_agreement(op: str, group: "dist.ProcessGroup", shared: Dict[str, object]) -> None:
-    """Raises on every rank, naming the argument and each rank's value, unless all ranks of the
-    group passed the same `shared` values (ints or dtypes), before any row moves."""
-    codes = [dtype_code(v) if isinstance(v, torch.dtype) else int(v) for v in shared.values()]
-    table = gather_ints(op, group, codes)
-    for column, (name, value) in enumerate(shared.items()):
-        got = table[:, column].tolist()
-        if len(set(got)) > 1:
-            shown = [dtype_name(_DTYPE_CODES[c]) if isinstance(value, torch.dtype) and c < len(_DTYPE_CODES)
-                     else c for c in got]
-            raise ValueError(f"{op}: argument '{name}': expected the same value on every rank of the group, got "
-                             + ", ".join(f"rank {r}: {v}" for r, v in enumerate(shown)))
+def refuse(op: str, group: Optional["dist.ProcessGroup"], labels: Sequence[str], payload: int,
+           error: BaseException) -> None:
+    """This rank's own checks failed: joins the peers' `_exchange.agree` (same labels, a payload
+    of `payload` ints) as a refusal, so they raise at once, and raises `error`."""
+    if group is None:
+        raise error
+    try:
+        _exchange.agree(op, group, dict.fromkeys(labels), [0] * payload, refused=error)
+    except BaseException as exchange_error:
+        if exchange_error is error:
+            raise
+        raise error from exchange_error
+
+
+def check_dispatch_tables(op: str, me: int, tokens: List[List[int]], routing: List[List[int]],
+                          local_experts: int) -> None:
+    """Raises the same error on every rank unless every rank's notify outputs match what the
+    sources send. tokens[s][r]: tokens source s sends to rank r; routing[r]: rank r's [pairs it
+    sends, send_offset (E), recv_offset (E), recv_count (E)]."""
+    ranks = len(routing)
+    experts = ranks * local_experts
+    table = torch.tensor(routing, dtype=torch.int64)
+    send_offset = table[:, 1:1 + experts]
+    per_expert = torch.diff(send_offset, append=table[:, :1])  # [s, g] pairs of source s for expert g
+    want_counts = per_expert.view(ranks, ranks, local_experts).permute(1, 2, 0)  # [r, e, s]
+    want_offsets = send_offset.view(ranks, ranks, local_experts).permute(1, 2, 0)
+    recv_count = table[:, 1 + 2 * experts:]
+    got_counts = torch.diff(recv_count, prepend=recv_count.new_zeros(ranks, 1)).view(ranks, local_experts, ranks)
+    got_offsets = table[:, 1 + experts:1 + 2 * experts].view(ranks, local_experts, ranks)
+    for name, start, bad in (("recv_count", 1 + 2 * experts, (got_counts != want_counts).flatten(1).any(1)),
+                             ("recv_offset", 1 + experts, (got_offsets != want_offsets).flatten(1).any(1))):
+        if bool(bad[me]):
+            raise ValueError(f"{op}: argument '{name}': expected moe_notify_dispatch's {name} for the group's "
+                             f"routing, got {routing[me][start:start + experts]}")
+        if bool(bad.any()):
+            raise ValueError(f"{op}: rank(s) {torch.nonzero(bad).flatten().tolist()} passed a {name} that does not "
+                             "match the group's routing (see the error on those ranks), so no rank runs the call")
+    sent = torch.tensor(tokens, dtype=torch.int64)  # [s, r]
+    pairs = want_counts.sum(1).t()  # [s, r]
+    liars = ((sent < 0) | (sent > pairs) | ((pairs > 0) & (sent == 0))).any(1)
+    if bool(liars.any()):
+        raise RuntimeError(f"{op}: rank(s) {torch.nonzero(liars).flatten().tolist()} announced token counts "
+                           f"{tokens} that do not fit their routed pairs {pairs.tolist()}: a peer that does not "
+                           "follow the protocol; no rank runs the call")
+
+
+def check_returns(op: str, table: List[List[int]]) -> None:
+    """Raises the same error on every rank unless every rank returns to each source exactly the
+    pairs that source dispatched to it. table[r] = [results r returns to each rank (R), pairs r
+    dispatched to each rank (R)]."""
+    ranks = len(table)
+    returned = torch.tensor(table, dtype=torch.int64)[:, :ranks]  # [r, s]
+    dispatched = torch.tensor(table, dtype=torch.int64)[:, ranks:]  # [s, r]
+    wrong = returned != dispatched.t()
+    if bool(wrong.any()):
+        raise RuntimeError(f"{op}: rank(s) {sorted(set(torch.nonzero(wrong)[:, 0].tolist()))} would return results "
+                           f"{returned.tolist()} for the pairs dispatched to them {dispatched.t().tolist()}; every "
+                           "rank must pass its own dispatch's outputs and the expert_ids it dispatched")
 
 
 def all_to_all_fixed(op: str, what: str, group: "dist.ProcessGroup", send: torch.Tensor) -> torch.Tensor:
@@ -91,18 +131,3 @@ def exchange(op: str, what: str, group: Optional["dist.ProcessGroup"], columns: 
     if group is None:
         return columns
     return _moe_cpu.exchange_columns(op, what, group, columns, send_counts, recv_counts)
-
-
-def raise_together(op: str, group: Optional["dist.ProcessGroup"], error: Optional[Exception]) -> None:
-    """One flag per rank (all_gather): if any rank found an error before the rows move, every rank
-    raises (its own error, or one naming the ranks that failed) instead of waiting for them."""
-    if group is None:
-        if error is not None:
-            raise error
-        return
-    failed = [r for r, bad in enumerate(gather_ints(op, group, [error is not None])[:, 0].tolist()) if bad]
-    if error is not None:
-        raise error
-    if failed:
-        raise RuntimeError(f"{op}: rank(s) {failed} of the group rejected their arguments (see their error); "
-                           "this rank stops too")

@@ -20,6 +20,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from cam_jit.ops import _checks as check
+from cam_jit.ops import _exchange
 from cam_jit.ops import _moe_normal_cpu as cpu
 from cam_jit.ops._kernels import cpu_kernels
 from cam_jit.ops._registry import OpInfo, define_op
@@ -81,6 +82,18 @@ def _layout_cpu(expert_ids, moe_expert_num, ep_rank_size):
 # ------------------------------------------------------------------------------------------------
 # moe_notify_dispatch
 # ------------------------------------------------------------------------------------------------
+NOTIFY_AGREED = ("num_tokens_per_expert (length, moe_expert_num)",)
+
+
+def _group(op, group_ep, ep_rank_size, ep_rank_id):
+    """The process group of a collective op (None for one rank), after checking R and the rank."""
+    if ep_rank_size <= 0:
+        check.fail(op, "ep_rank_size", "> 0", ep_rank_size)
+    if not 0 <= ep_rank_id < ep_rank_size:
+        check.fail(op, "ep_rank_id", f"0 <= ep_rank_id < ep_rank_size ({ep_rank_size})", ep_rank_id)
+    return resolve_group(op, group_ep, ep_rank_size, ep_rank_id) if ep_rank_size > 1 else None
+
+
 def _validate_notify(op, num_tokens_per_expert, num_tokens, ep_rank_size, ep_rank_id) -> int:
     check.dtype(op, "num_tokens_per_expert", num_tokens_per_expert, (torch.int32,))
     check.ndim(op, "num_tokens_per_expert", num_tokens_per_expert, 1)
@@ -103,24 +116,23 @@ def _notify_fake(num_tokens_per_expert, num_tokens, group_ep, ep_rank_size, ep_r
 
 def _notify_cpu(num_tokens_per_expert, num_tokens, group_ep, ep_rank_size, ep_rank_id):
     op = NOTIFY.name
-    local_experts = _validate_notify(op, num_tokens_per_expert, num_tokens, ep_rank_size, ep_rank_id)
-    counts = num_tokens_per_expert.to(torch.int64)
-    if counts.numel() and int(counts.min()) < 0:
-        check.fail(op, "num_tokens_per_expert", "counts >= 0", f"min {int(counts.min())}")
+    group = _group(op, group_ep, ep_rank_size, ep_rank_id)
+    try:
+        local_experts = _validate_notify(op, num_tokens_per_expert, num_tokens, ep_rank_size, ep_rank_id)
+        counts = num_tokens_per_expert.to(torch.int64)
+        if counts.numel() and int(counts.min()) < 0:
+            check.fail(op, "num_tokens_per_expert", "counts >= 0", f"min {int(counts.min())}")
+    except (TypeError, ValueError) as err:
+        cpu.refuse(op, group, NOTIFY_AGREED, 2, err)
     send_offset = torch.cumsum(counts, 0) - counts
     total_sent = int(counts.sum())
     # [R, E_loc, 2]: (count, offset) of each destination's experts
     outgoing = torch.stack([counts, send_offset], 1).view(ep_rank_size, local_experts, 2)
-    if ep_rank_size == 1:
+    if group is None:
         incoming, batches, totals = outgoing, [num_tokens], [total_sent]
     else:
-        group = resolve_group(op, group_ep, ep_rank_size, ep_rank_id)
-        table = cpu.gather_ints(op, group, [counts.numel(), num_tokens, total_sent])
-        experts = table[:, 0].tolist()
-        if len(set(experts)) > 1:
-            check.fail(op, "num_tokens_per_expert", "the same length (moe_expert_num) on every rank",
-                       ", ".join(f"rank {r}: {e}" for r, e in enumerate(experts)))
-        batches, totals = table[:, 1].tolist(), table[:, 2].tolist()
+        table = _exchange.agree(op, group, dict(zip(NOTIFY_AGREED, [counts.numel()])), [num_tokens, total_sent])
+        batches, totals = [row[0] for row in table], [row[1] for row in table]
         incoming = cpu.all_to_all_fixed(op, "count exchange", group, outgoing.reshape(ep_rank_size, -1))
         incoming = incoming.view(ep_rank_size, local_experts, 2)
     recv_counts, recv_offsets = incoming[..., 0].t(), incoming[..., 1].t()  # [E_loc, R]
@@ -197,33 +209,54 @@ def _cumulative_counts(op, arg, recv_count, rows) -> torch.Tensor:
     return counts
 
 
-def _dispatch_cpu(x, expert_ids, send_offset, send_token_idx, recv_offset, recv_count, group_ep, ep_rank_size,
-                  ep_rank_id, moe_expert_num, quant_mode, global_bs, num_recv_tokens):
-    op, ranks = DISPATCH.name, ep_rank_size
+DISPATCH_AGREED = ("x (hidden size H)", "x (dtype)", "expert_ids (top-k K)", "moe_expert_num", "quant_mode",
+                   "global_bs")
+
+
+def _check_dispatch_inputs(x, expert_ids, send_offset, send_token_idx, recv_offset, recv_count, ep_rank_size,
+                           ep_rank_id, moe_expert_num, quant_mode, global_bs, num_recv_tokens):
+    """This rank's own checks: the arguments, and the layout/notify outputs against expert_ids.
+    Returns (is_token_in_rank [BS, R], received pairs [E_loc, R] by local expert and source)."""
+    op = DISPATCH.name
     local_experts = _validate_dispatch(x, expert_ids, send_offset, send_token_idx, recv_offset, recv_count,
-                                       ranks, ep_rank_id, moe_expert_num, quant_mode, global_bs, num_recv_tokens)
+                                       ep_rank_size, ep_rank_id, moe_expert_num, quant_mode, global_bs,
+                                       num_recv_tokens)
     check.expert_ids_in_range(op, expert_ids, moe_expert_num)
-    _, per_expert, in_rank, token_idx = cpu.layout(expert_ids, moe_expert_num, ranks)
+    _, per_expert, in_rank, token_idx = cpu.layout(expert_ids, moe_expert_num, ep_rank_size)
     if not torch.equal(send_token_idx, token_idx):
         check.fail(op, "send_token_idx", "moe_dispatch_layout's send_token_idx for these expert_ids",
                    "different values")
-    expected_offset = (torch.cumsum(per_expert.to(torch.int64), 0) - per_expert).to(torch.int32)
-    if not torch.equal(send_offset, expected_offset):
+    if not torch.equal(send_offset, (torch.cumsum(per_expert, 0) - per_expert).to(torch.int32)):
         check.fail(op, "send_offset", "moe_notify_dispatch's send_offset for these expert_ids", send_offset.tolist())
-    counts = _cumulative_counts(op, "recv_count", recv_count, num_recv_tokens).view(local_experts, ranks)
+    return in_rank, _cumulative_counts(op, "recv_count", recv_count, num_recv_tokens).view(local_experts, ep_rank_size)
 
+
+def _dispatch_cpu(x, expert_ids, send_offset, send_token_idx, recv_offset, recv_count, group_ep, ep_rank_size,
+                  ep_rank_id, moe_expert_num, quant_mode, global_bs, num_recv_tokens):
+    op, ranks = DISPATCH.name, ep_rank_size
+    group = _group(op, group_ep, ranks, ep_rank_id)
+    try:
+        in_rank, counts = _check_dispatch_inputs(x, expert_ids, send_offset, send_token_idx, recv_offset,
+                                                 recv_count, ranks, ep_rank_id, moe_expert_num, quant_mode,
+                                                 global_bs, num_recv_tokens)
+    except (TypeError, ValueError) as err:
+        cpu.refuse(op, group, DISPATCH_AGREED, ranks, err)
+    local_experts = moe_expert_num // ranks
     ids = expert_ids.to(torch.int64)
     batch, topk = ids.shape
-    group = resolve_group(op, group_ep, ranks, ep_rank_id) if ranks > 1 else None
-    if group is not None:
-        cpu.require_agreement(op, group, {"x (hidden size H)": x.shape[1], "x (dtype)": x.dtype,
-                                          "expert_ids (top-k K)": topk, "moe_expert_num": moe_expert_num,
-                                          "quant_mode": quant_mode, "global_bs": global_bs})
+    send_counts = in_rank.sum(0, dtype=torch.int64).tolist()
+    tables = [int((ids >= 0).sum()), *send_offset.tolist(), *recv_offset.tolist(), *recv_count.tolist()]
+    if group is None:
+        token_table, routing_table = [send_counts], [tables]
+    else:
+        agreed = dict(zip(DISPATCH_AGREED, (x.shape[1], x.dtype, topk, moe_expert_num, quant_mode, global_bs)))
+        token_table = _exchange.agree(op, group, agreed, send_counts)
+        routing_table = cpu.gather_ints(op, group, tables).tolist()
+    cpu.check_dispatch_tables(op, ep_rank_id, token_table, routing_table, local_experts)
+    recv_tokens = [row[ep_rank_id] for row in token_table]
     # each token once per destination rank d, in (d, t) order, with its ids restricted to d's experts
     dest, token = torch.nonzero(in_rank.t(), as_tuple=True)
-    send_counts = in_rank.sum(0, dtype=torch.int64)
-    own = torch.div(ids[token], local_experts, rounding_mode="floor") == dest.unsqueeze(1)
-    own &= ids[token] >= 0
+    own = (torch.div(ids[token], local_experts, rounding_mode="floor") == dest.unsqueeze(1)) & (ids[token] >= 0)
     local_ids = torch.where(own, ids[token].remainder(local_experts), -1).to(torch.int32)
     slot_idx = torch.where(own, send_token_idx[token], -1)
     if quant_mode == 2:
@@ -231,23 +264,8 @@ def _dispatch_cpu(x, expert_ids, send_offset, send_token_idx, recv_offset, recv_
         payload = [q[token], scale[token]]
     else:
         payload = [x[token]]
-    # per destination: tokens sent, then this rank's send offset of each of its experts
-    header = torch.cat([send_counts.unsqueeze(1), expected_offset.to(torch.int64).view(ranks, local_experts)], 1)
-    if group is not None:
-        header = cpu.all_to_all_fixed(op, "count exchange", group, header)
-    recv_tokens, pairs = header[:, 0], counts.sum(0)
-    error = None
-    if not torch.equal(header[:, 1:].t().reshape(-1).to(torch.int32), recv_offset):
-        error = ValueError(f"{op}: argument 'recv_offset': expected moe_notify_dispatch's recv_offset (the "
-                           f"sources' send offsets of this rank's experts), got {recv_offset.tolist()}")
-    elif bool(((recv_tokens < 0) | (recv_tokens > pairs) | ((pairs > 0) & (recv_tokens == 0))).any()):
-        error = ValueError(f"{op}: argument 'recv_count': expected the pairs the sources send (moe_notify_dispatch's "
-                           f"recv_count), got {recv_count.tolist()}: the sources announce {recv_tokens.tolist()} "
-                           f"tokens for {pairs.tolist()} pairs")
-    cpu.raise_together(op, group, error)
-    recv_tokens = recv_tokens.tolist()
     columns = cpu.exchange(op, "token dispatch", group, payload + [token.to(torch.int32), local_ids, slot_idx],
-                           send_counts.tolist(), recv_tokens)
+                           send_counts, recv_tokens)
     rows, src_token, src_ids, src_slot = columns[:-3], *columns[-3:]
     source = torch.repeat_interleave(torch.arange(ranks), torch.tensor(recv_tokens))
     return _expand_pairs(op, rows, src_token, src_ids, src_slot, source, counts, num_recv_tokens, x.shape[1], topk)
@@ -311,50 +329,49 @@ def _combine_fake(recv_x, assist_info_for_combine, recv_count, expert_ids, exper
     return recv_x.new_empty((expert_ids.shape[0], recv_x.shape[1]))
 
 
+COMBINE_AGREED = ("recv_x (hidden size H)", "recv_x (dtype)", "expert_ids (top-k K)", "moe_expert_num", "global_bs")
+
+
 def _combine_cpu(recv_x, assist_info_for_combine, recv_count, expert_ids, expert_scales, group_ep, ep_rank_size,
                  ep_rank_id, moe_expert_num, global_bs):
     op, ranks = COMBINE.name, ep_rank_size
-    _validate_combine(recv_x, assist_info_for_combine, recv_count, expert_ids, expert_scales, ranks, ep_rank_id,
-                      moe_expert_num, global_bs)
-    _cumulative_counts(op, "recv_count", recv_count, recv_x.shape[0])
-    check.expert_ids_in_range(op, expert_ids, moe_expert_num)
-    batch, topk = expert_ids.shape
-    assist = assist_info_for_combine.to(torch.int64)
-    source, token, k = assist[:, 0], assist[:, 1], assist[:, 2]
-    if assist.numel() and (int(source.min()) < 0 or int(source.max()) >= ranks or int(token.min()) < 0
-                           or int(k.min()) < 0 or int(k.max()) >= topk):
-        check.fail(op, "assist_info_for_combine", f"(source rank in [0, {ranks}), token >= 0, k in [0, {topk})) "
-                   "per row, from moe_dispatch_normal", f"rows outside those ranges")
-    order = torch.sort(source, stable=True).indices if ranks > 1 else slice(None)  # rows grouped by destination
-    send_counts = torch.bincount(source, minlength=ranks)
-    group = resolve_group(op, group_ep, ranks, ep_rank_id) if ranks > 1 else None
-    if group is not None:
-        cpu.require_agreement(op, group, {"recv_x (hidden size H)": recv_x.shape[1], "recv_x (dtype)": recv_x.dtype,
-                                          "expert_ids (top-k K)": topk, "moe_expert_num": moe_expert_num,
-                                          "global_bs": global_bs})
-        recv_counts = cpu.all_to_all_fixed(op, "count exchange", group, send_counts.unsqueeze(1)).squeeze(1)
+    group = _group(op, group_ep, ranks, ep_rank_id)
+    try:
+        _validate_combine(recv_x, assist_info_for_combine, recv_count, expert_ids, expert_scales, ranks, ep_rank_id,
+                          moe_expert_num, global_bs)
+        _cumulative_counts(op, "recv_count", recv_count, recv_x.shape[0])
+        check.expert_ids_in_range(op, expert_ids, moe_expert_num)
+        batch, topk = expert_ids.shape
+        assist = assist_info_for_combine.to(torch.int64)
+        source, token, k = assist[:, 0], assist[:, 1], assist[:, 2]
+        if assist.numel() and (int(source.min()) < 0 or int(source.max()) >= ranks or int(token.min()) < 0
+                               or int(k.min()) < 0 or int(k.max()) >= topk):
+            check.fail(op, "assist_info_for_combine", f"(source rank in [0, {ranks}), token >= 0, k in [0, {topk})) "
+                       "per row, from moe_dispatch_normal", "rows outside those ranges")
+    except (TypeError, ValueError) as err:
+        cpu.refuse(op, group, COMBINE_AGREED, 2 * ranks, err)
+    send_counts = torch.bincount(source, minlength=ranks).tolist()
+    routed = expert_ids.reshape(-1).to(torch.int64)
+    routed = routed[routed >= 0]
+    dispatched = torch.bincount(torch.div(routed, moe_expert_num // ranks, rounding_mode="floor"),
+                                minlength=ranks).tolist()
+    if group is None:
+        table = [send_counts + dispatched]
     else:
-        recv_counts = send_counts
-    routed_ids = expert_ids[expert_ids >= 0].to(torch.int64)
-    sent_pairs = torch.bincount(torch.div(routed_ids, moe_expert_num // ranks, rounding_mode="floor"),
-                                minlength=ranks)
-    error = None
-    if not torch.equal(recv_counts, sent_pairs):
-        error = RuntimeError(f"{op}: the ranks return {recv_counts.tolist()} results for the {sent_pairs.tolist()} "
-                             "pairs this rank dispatched to each of them; every rank must pass its own dispatch's "
-                             "outputs and expert_ids")
-    cpu.raise_together(op, group, error)
+        agreed = (recv_x.shape[1], recv_x.dtype, topk, moe_expert_num, global_bs)
+        table = _exchange.agree(op, group, dict(zip(COMBINE_AGREED, agreed)), send_counts + dispatched)
+    cpu.check_returns(op, table)
+    order = torch.sort(source, stable=True).indices if ranks > 1 else slice(None)  # rows grouped by destination
     rows, token, k = cpu.exchange(op, "result combine", group,
                                   [recv_x[order], token[order].to(torch.int32), k[order].to(torch.int32)],
-                                  send_counts.tolist(), recv_counts.tolist())
+                                  send_counts, [row[ep_rank_id] for row in table])
     slot = token.to(torch.int64) * topk + k.to(torch.int64)
-    routed = (expert_ids >= 0).reshape(-1)
     if slot.numel() and int(slot.max()) >= batch * topk:
         raise RuntimeError(f"{op}: a peer returned a result for token {int(token.max())}, but this rank has "
                            f"{batch} tokens; every rank must pass the handle of its own dispatch")
     hits = torch.bincount(slot, minlength=batch * topk)
-    if not torch.equal(hits, routed.to(hits.dtype)):
-        raise RuntimeError(f"{op}: {slot.numel()} results came back for {int(routed.sum())} routed (token, k) pairs "
+    if not torch.equal(hits, (expert_ids >= 0).reshape(-1).to(hits.dtype)):
+        raise RuntimeError(f"{op}: {slot.numel()} results came back for {routed.numel()} routed (token, k) pairs "
                            "of this rank, not one per pair; pass the expert_ids that were dispatched")
     pair_rows = torch.full((batch * topk,), -1, dtype=torch.int64)
     pair_rows[slot] = torch.arange(slot.numel())
