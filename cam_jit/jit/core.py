@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from cam_jit.jit import env, log, toolchain
+from cam_jit.jit import env, log, reaper, toolchain, trust
 from cam_jit.jit.backends import backend_spec, default_backend
 from cam_jit.jit.errors import BuildError, CacheMissError, JitError, ToolchainError
 from cam_jit.jit.progress import BuildProgress
@@ -87,7 +87,7 @@ def load_spec(spec: BuildSpec) -> LoadedLibrary:
     memoised; :func:`load` is the memoised entry point)."""
     found = _locate(spec)
     if found.entry is not None:
-        return _load_entry(spec, found.entry, found.manifest, built=False)
+        return _load_entry(spec, found.entry, found.manifest, built=False, rebuild=_rebuilder(spec, found))
     if found.blocker is not None:
         raise _cannot_build(spec, found)
     compiler = found.compiler
@@ -95,6 +95,18 @@ def load_spec(spec: BuildSpec) -> LoadedLibrary:
     entry = found.content_dir / compiler_key(compiler.path, version)
     return _build_locked(spec, entry, found.inputs, compiler_inputs(compiler.path, version),
                          found.ninja)
+
+
+def _rebuilder(spec: BuildSpec, found: "_Located"):
+    """How to rebuild the located entry if it does not load, or None when this process cannot
+    build (JIT disabled, no ninja) or the entry is another compiler's."""
+    if found.blocker is not None or env.jit_disabled():
+        return None
+    ninja = toolchain.find_ninja()
+    if ninja is None:
+        return None
+    return lambda: _build_locked(spec, found.entry, found.inputs,
+                                 compiler_inputs(found.compiler.path, found.version), ninja, discard=True)
 
 
 def status(spec: BuildSpec) -> Tuple[bool, str]:
@@ -155,7 +167,9 @@ def verify_entry(entry: Path) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
     else ``(None, reason)``; the reason is None when the entry simply does not exist."""
     try:
         manifest = json.loads((entry / MANIFEST).read_bytes())
-        with open(entry / manifest["library"], "rb") as f:
+        library = trust.library_name(manifest)
+        trust.check_entry(env.cache_dir(), entry, (MANIFEST, library))
+        with open(entry / library, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size != manifest["size"]:
                 return None, f"library is {size} bytes, its manifest says {manifest['size']}"
@@ -193,13 +207,19 @@ def _newest_verified(content_dir: Path, rejected: List[str]):
     return best
 
 
-def _load_entry(spec: BuildSpec, entry: Path, manifest: Dict[str, Any], built: bool):
+def _load_entry(spec: BuildSpec, entry: Path, manifest: Dict[str, Any], built: bool, rebuild=None):
+    """dlopen the entry's library. If that fails (e.g. an undefined symbol) and `rebuild` is
+    given, log it and return rebuild() (which must not pass `rebuild` again)."""
     import torch
 
-    library = entry / manifest["library"]
+    library = entry / trust.library_name(manifest)
     try:
         torch.ops.load_library(str(library))
     except OSError as e:
+        if rebuild is not None:
+            log.warning("cache entry %s matches its manifest but does not load (%s); rebuilding it once",
+                        entry, e.__cause__ or e)
+            return rebuild()
         raise JitError(f"cannot load the {spec.backend} library {library}: {e.__cause__ or e}; "
                        f"remove it with `python -m cam_jit clean --backend {spec.backend}`") from e
     return LoadedLibrary(spec.backend, library, entry, built)
@@ -220,23 +240,38 @@ def _cannot_build(spec: BuildSpec, found: _Located) -> JitError:
 
 def _acquire(lock_path: Path, what: str):
     """Take the entry's flock, saying after WAIT_LOG_FIRST s (then every WAIT_LOG_EVERY s) what
-    this process is waiting for."""
+    this process is waiting for; BuildError after the build-lock timeout (env.lock_timeout())."""
     from filelock import Timeout, UnixFileLock
 
+    trust.lock_file(lock_path)
     lock = UnixFileLock(str(lock_path))
     start = time.monotonic()
-    timeout = WAIT_LOG_FIRST
+    limit = env.lock_timeout()
+    timeout = min(WAIT_LOG_FIRST, limit)
     while True:
         try:
             lock.acquire(timeout=timeout)
             return lock
         except Timeout:
-            pattern = f"{TMP_PREFIX}{lock_path.stem}-*"
-            builds = sorted(p.name for p in lock_path.parent.glob(pattern))
+            waited = time.monotonic() - start
+            builds = _builds_in_progress(lock_path)
+            if waited >= limit:
+                raise BuildError(f"waited {waited:.0f} s for another process to finish building {what} "
+                                 f"(lock {lock_path}; builds in progress: {builds}); giving up after "
+                                 f"{env.LOCK_TIMEOUT_VAR}={limit:g} s. Stop or wait for that process, or "
+                                 "raise the timeout") from None
             log.info("waiting %.0f s so far for another process to finish building %s "
-                     "(lock %s, build dir %s)", time.monotonic() - start, what, lock_path,
-                     ", ".join(builds) or "none yet")
-            timeout = WAIT_LOG_EVERY
+                     "(lock %s, builds in progress: %s)", waited, what, lock_path, builds)
+            timeout = min(WAIT_LOG_EVERY, limit - waited)
+
+
+def _builds_in_progress(lock_path: Path) -> str:
+    """The temp build dirs of the entry, each with its builder's pid and state, for messages."""
+    found = []
+    for path in sorted(lock_path.parent.glob(f"{TMP_PREFIX}{lock_path.stem}-*")):
+        pid = path.name[len(f"{TMP_PREFIX}{lock_path.stem}-"):].split("-")[0]
+        found.append(f"{path.name} (pid {pid}: {reaper.process_state(int(pid)) if pid.isdigit() else '?'})")
+    return ", ".join(found) or "none yet"
 
 
 def _discard(path: Path) -> None:
@@ -249,10 +284,13 @@ def _discard(path: Path) -> None:
 
 
 def _build_locked(spec: BuildSpec, entry: Path, inputs: Dict[str, Any],
-                  compiler: Dict[str, str], ninja: str) -> LoadedLibrary:
+                  compiler: Dict[str, str], ninja: str, discard: bool = False) -> LoadedLibrary:
+    """Build `entry` under its lock unless another process published it meanwhile (`discard`:
+    the published entry does not load, replace it)."""
     what = f"the {spec.backend} backend ({entry})"
     try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
+        trust.make_dirs(entry.parent)
+        trust.check_entry(env.cache_dir(), entry.parent, ())
         lock = _acquire(entry.with_name(entry.name + ".lock"), what)
     except OSError as e:
         raise BuildError(f"cannot build the {spec.backend} backend: the cache is not writable "
@@ -261,9 +299,9 @@ def _build_locked(spec: BuildSpec, entry: Path, inputs: Dict[str, Any],
                          "who can write it") from None
     try:
         manifest, reason = verify_entry(entry)  # another process may have built it meanwhile
-        if manifest is not None:
+        if manifest is not None and not discard:
             return _load_entry(spec, entry, manifest, built=False)
-        if reason is not None:
+        if reason is not None or manifest is not None:
             _discard(entry)
         for stale in entry.parent.glob(f"{TMP_PREFIX}{entry.name}-*"):
             _discard(stale)
@@ -278,6 +316,7 @@ def _build(spec: BuildSpec, entry: Path, inputs: Dict[str, Any], compiler: Dict[
     manifest there, then publish with one ``os.rename``. Caller holds the entry's lock."""
     tmp = entry.with_name(f"{TMP_PREFIX}{entry.name}-{os.getpid()}-{os.urandom(4).hex()}")
     tmp.mkdir()  # unlike mkdtemp, honours the umask: a shared cache stays readable by others
+    trust.owner_only_writes(tmp)
     log.info("compiling the %s backend (%d C++ file(s) from %s) into the cache at %s; "
              "this happens once per cache entry", spec.backend, len(spec.sources), spec.root,
              entry)
@@ -286,7 +325,7 @@ def _build(spec: BuildSpec, entry: Path, inputs: Dict[str, Any], compiler: Dict[
         from torch.utils import cpp_extension
 
         try:
-            with toolchain.ninja_on_path(ninja), BuildProgress(tmp, spec.backend):
+            with toolchain.ninja_on_path(reaper.ninja_wrapper(ninja, tmp)), BuildProgress(tmp, spec.backend):
                 built = Path(cpp_extension.load(
                     name=spec.name, sources=[str(p) for p in spec.sources],
                     extra_cflags=list(spec.cflags), extra_ldflags=list(spec.ldflags),
@@ -312,8 +351,11 @@ def _build(spec: BuildSpec, entry: Path, inputs: Dict[str, Any], compiler: Dict[
             "created_unix": now, "build_seconds": round(seconds, 3),
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        for path in (tmp / MANIFEST, built):
+            trust.owner_only_writes(path)
         os.rename(tmp, entry)  # the commit point
     except BaseException:
+        reaper.kill_build(tmp)  # compilers still running (an interrupt, an error)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     entry.with_name(entry.name + ".build.log").unlink(missing_ok=True)  # of an earlier failure
@@ -373,7 +415,10 @@ def list_entries(backend: Optional[str] = None) -> List[EntryInfo]:
     for entry in sorted(root.glob(f"{backend or '*'}/*/*")):
         if not entry.is_dir() or entry.name.startswith(TMP_PREFIX):
             continue
-        manifest, problem = verify_entry(entry)
+        try:
+            manifest, problem = verify_entry(entry)
+        except trust.UntrustedCacheError as e:
+            manifest, problem = None, str(e)
         try:
             size = sum(p.stat().st_size for p in entry.iterdir() if p.is_file())
         except OSError:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
+from cam_jit.jit import trust
 from cam_jit.jit.errors import ToolchainError
 
 COMPILER_HINT = "install one (e.g. `apt-get install g++`) or set CXX to a C++ compiler"
@@ -75,7 +76,7 @@ def compiler_version(compiler: Compiler, cache_root: Path, probe: bool) -> Optio
     version = out.strip()
     record = {"path": compiler.path, "realpath": compiler.realpath, "version": version}
     try:
-        memo.parent.mkdir(parents=True, exist_ok=True)
+        trust.make_dirs(memo.parent)
         tmp = memo.with_name(f".{memo.name}.{os.getpid()}")
         tmp.write_text(json.dumps(record, indent=1))
         os.replace(tmp, memo)
