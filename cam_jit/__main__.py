@@ -1,4 +1,7 @@
-"""Command line: ``python -m cam_jit {build,clean,doctor,ops,opp}`` (also the ``cam-jit`` script)."""
+"""Command line: ``python -m cam_jit {build,clean,doctor,ops,docs,opp}`` (also the ``cam-jit``
+script). The parser and the commands that need no torch live in the top-level ``cam_jit_cli``
+module, so that ``cam-jit --help``, ``--version``, ``ops`` and ``docs`` answer without importing
+torch; this module holds the commands that need the package."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +11,7 @@ import subprocess
 import sys
 from typing import List, Optional
 
+import cam_jit_cli
 from cam_jit import jit
 from cam_jit.jit import toolchain
 
@@ -119,12 +123,14 @@ def _doctor(args: argparse.Namespace) -> int:
 
     entries = jit.list_entries()
     print(f"cache entries: {len(entries)}")
+    width = max([6, *(len(e.backend) for e in entries)])
     for e in entries:
-        print(f"  {e.backend:<6} {e.key}  {e.size / 1e6:7.2f} MB  "
+        print(f"  {e.backend:<{width}} {e.key}  {e.size / 1e6:7.2f} MB  "
               f"{'verified' if e.problem is None else 'NOT verified: ' + e.problem}  "
               f"created {e.created or '?'}")
 
     print("backends:")
+    width = max([6, *(len(name) for name in jit.BACKENDS)])
     for name, backend in sorted(jit.BACKENDS.items()):
         ok, how = False, backend.unavailable() or "no build spec"
         if backend.make_spec is not None and backend.unavailable() is None:
@@ -132,7 +138,7 @@ def _doctor(args: argparse.Namespace) -> int:
                 ok, how = jit.status(backend.make_spec())
             except jit.JitError as e:
                 how = str(e)
-        print(f"  {name:<6} {'available' if ok else 'unavailable'}: {how}")
+        print(f"  {name:<{width}} {'available' if ok else 'unavailable'}: {how}")
 
     from cam_jit.ascend import report
 
@@ -178,82 +184,16 @@ def _opp(args: argparse.Namespace) -> int:
         return 1
 
 
-def _ops(args: argparse.Namespace) -> int:
-    try:
-        from cam_jit.ops import describe_ops
-    except ImportError as e:
-        print(f"cam_jit: the op registry is not available in this version "
-              f"(cam_jit.ops.describe_ops: {e})", file=sys.stderr)
-        return 1
-    ops = describe_ops()
-    width = max((len(op["name"]) for op in ops), default=0)
-    backends = max((len(", ".join(op["backends"])) for op in ops), default=0)
-    for op in ops:
-        print(f"{op['name']:<{width}}  {', '.join(op['backends']):<{backends}}  {op['ge_converter']}")
-    return 0
-
-
-def _docs(args: argparse.Namespace) -> int:
-    from cam_jit import docs
-
-    try:
-        sys.stdout.write(docs.semantics(args.section))
-    except KeyError as e:
-        print(f"cam_jit: {e.args[0]}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    """Entry point of ``python -m cam_jit`` and ``cam-jit``; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m cam_jit",
-                                     description="cam_jit: JIT-compiled CAM MoE ops for PyTorch")
-    commands = parser.add_subparsers(dest="command", required=True)
-    backends = sorted(jit.BACKENDS)
-    build = commands.add_parser("build", help="pre-build the cache of a backend (default: this "
-                                "machine's) and print the entry path")
-    build.add_argument("--backend", choices=backends)
-    build.add_argument("--compile-only", action="store_true",
-                       help="compile every translation unit of the backend to an object file, "
-                       "link and load nothing (for npu: a check against torch_npu's headers, "
-                       "usable without an NPU)")
-    build.add_argument("--torch-npu-root", metavar="DIR",
-                       help="with --compile-only --backend npu: a directory holding torch_npu/ "
-                       "(e.g. an extracted torch_npu wheel) instead of the installed torch_npu")
-    clean = commands.add_parser("clean", help="remove cache entries (all, or of one backend)")
-    clean.add_argument("--backend", choices=backends)
-    commands.add_parser("doctor", help="show versions, toolchain, cache entries, backends and "
-                        "what the NPU (Ascend) path has and needs")
-    commands.add_parser("ops", help="list the ops, their backends and whether they have a TorchAir GE converter")
-    docs_parser = commands.add_parser("docs", help="print the numerical and interface contract of the "
-                                      "ops (docs/semantics.md), or one numbered section of it")
-    docs_parser.add_argument("section", nargs="?", help="a section number, e.g. 1.8 (fused_deep_moe's "
-                             "float32 steps); default: the whole document")
-    opp_parser = commands.add_parser("opp", help="Ascend operator packages: locate, install, build")
-    opp_commands = opp_parser.add_subparsers(dest="opp_command", required=True)
-    locate = opp_commands.add_parser("locate", help="list installed vendors holding CAM operators")
-    locate.add_argument("--dir", action="append", default=[], metavar="DIR",
-                        help="also look in DIR/vendors/* (repeatable)")
-    install = opp_commands.add_parser("install", help="install a .run package into a vendor "
-                                      "directory you own")
-    install.add_argument("package", help="the custom opp .run file")
-    install.add_argument("--dir", metavar="DIR", help="install path (default $CAM_JIT_OPP_DIR "
-                         "or ~/.local/share/cam_jit/opp)")
-    build_opp = opp_commands.add_parser("build", help="build a .run package with a kernel source "
-                                        "tree's own build.sh (arguments after -- go to it)",
-                                        usage="python -m cam_jit opp build [--install] [--dir DIR]"
-                                        " tree [-- build.sh arguments]")
-    build_opp.add_argument("tree", help="the kernel source tree (holds build.sh)")
-    build_opp.add_argument("--install", action="store_true", help="then install the package")
-    build_opp.add_argument("--dir", metavar="DIR", help="install path for --install")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    cut = argv.index("--") if "--" in argv else len(argv)
-    args = parser.parse_args(argv[:cut])
-    args.build_args = argv[cut + 1:]  # for `opp build`: passed to the tree's build.sh
-    if cut < len(argv) and (args.command, getattr(args, "opp_command", None)) != ("opp", "build"):
-        parser.error("arguments after -- are only for `opp build`")
-    handlers = {"build": _build, "clean": _clean, "doctor": _doctor, "ops": _ops, "opp": _opp,
-                "docs": _docs}
+def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
+    """Entry point of ``python -m cam_jit`` (and of the ``cam-jit`` commands that need torch);
+    returns the exit status."""
+    prog = prog or cam_jit_cli.prog_name()
+    parser = cam_jit_cli.build_parser(prog)
+    args = cam_jit_cli.parse(parser, list(sys.argv[1:] if argv is None else argv))
+    args.prog = prog
+    if getattr(args, "backend", None) is not None and args.backend not in jit.BACKENDS:
+        parser.error(f"argument --backend: expected one of {', '.join(sorted(jit.BACKENDS))}, got {args.backend!r}")
+    handlers = {"build": _build, "clean": _clean, "doctor": _doctor, "opp": _opp, **cam_jit_cli.FAST_HANDLERS}
     return handlers[args.command](args)
 
 

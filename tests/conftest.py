@@ -15,9 +15,20 @@ Example::
 
     def test_x(rank_pool):
         assert rank_pool(2).run(_body, 10) == [0, 10]
+
+Caches: the suite never writes into the user's home. At configure time the session gets
+- a temporary cam_jit JIT cache, exported as ``CAM_JIT_CACHE_DIR`` so that every subprocess and
+  rank pool shares it: the CPU backend compiles once per session, and the directory is removed
+  at the end (``CAM_JIT_TEST_CACHE_DIR=DIR`` uses DIR instead and keeps it, to reuse builds
+  across sessions);
+- the torch-npu wheel cache of tests/wheel_cache.py, exported as ``CAM_JIT_TEST_WHEEL_DIR``:
+  as given, else ``cam_jit-test-wheels`` under pytest's cache directory (``.pytest_cache/d/``).
 """
 import os
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +37,28 @@ if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
 from dist_harness import RankPool  # noqa: E402
+from wheel_cache import PYTEST_CACHE_KEY, WHEEL_DIR_VAR  # noqa: E402
+
+SESSION_CACHE_VAR = "CAM_JIT_TEST_CACHE_DIR"
+_created_cache = []
+
+
+def pytest_configure(config):
+    kept = os.environ.get(SESSION_CACHE_VAR)
+    if kept:
+        os.environ["CAM_JIT_CACHE_DIR"] = kept
+    else:
+        _created_cache.append(tempfile.mkdtemp(prefix="cam_jit-test-cache-"))
+        os.environ["CAM_JIT_CACHE_DIR"] = _created_cache[-1]
+    if not os.environ.get(WHEEL_DIR_VAR):
+        cache = getattr(config, "cache", None)  # None with -p no:cacheprovider
+        os.environ[WHEEL_DIR_VAR] = str(cache.mkdir(PYTEST_CACHE_KEY) if cache is not None else
+                                        Path(config.rootpath) / ".pytest_cache" / "d" / PYTEST_CACHE_KEY)
+
+
+def pytest_unconfigure(config):
+    while _created_cache:
+        shutil.rmtree(_created_cache.pop(), ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 FORBIDDEN = "SPEC" + ".md"  # spelled apart so this file does not match itself
 SHIPPED = ("cam_jit", "kernels", "wrappers", "ge_converters", "docs", "samples", "benchmarks",
-           "README.md", "pyproject.toml")
+           "README.md", "pyproject.toml", "cam_jit_cli.py")
 _SKIP_DIRS = {"__pycache__", ".pytest_cache", "build"}
 
 
@@ -84,7 +84,9 @@ def wheel(tmp_path_factory) -> Path:
 def test_wheel_ships_the_contract_and_no_spec_reference(wheel):
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
-        assert "cam_jit/_docs/semantics.md" in names
+        assert "cam_jit/_docs/semantics.md" in names and "cam_jit_cli.py" in names
+        assert "cam-jit = cam_jit_cli:main" in next(z.read(n).decode() for n in names
+                                                     if n.endswith("entry_points.txt"))
         assert z.read("cam_jit/_docs/semantics.md") == (REPO / "docs" / "semantics.md").read_bytes()
         offenders = [n for n in names if FORBIDDEN.encode() in z.read(n)]
     assert offenders == []

@@ -97,3 +97,61 @@ def test_module_entry_point_in_a_fresh_process(tmp_path):
     assert run.returncode == 1 and run.stdout == ""
     assert "CAM_JIT_DISABLE_JIT=1" in run.stderr and "python -m cam_jit build" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def _script(tmp_path) -> Path:
+    """A `cam-jit` console script as pip writes it for the wheel's entry point."""
+    path = tmp_path / "bin" / "cam-jit"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(f"#!{sys.executable}\nimport sys\nfrom cam_jit_cli import main\n"
+                    "if __name__ == '__main__':\n    sys.exit(main())\n")
+    path.chmod(0o755)
+    return path
+
+
+def _run_script(tmp_path, *args):
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONPROFILEIMPORTTIME="1")
+    run = subprocess.run([str(_script(tmp_path)), *args], capture_output=True, text=True, timeout=300, cwd="/",
+                         env=env)
+    imported = {line.rsplit("|", 1)[1].strip() for line in run.stderr.splitlines() if line.startswith("import time:")}
+    stderr = "\n".join(line for line in run.stderr.splitlines() if not line.startswith("import time:"))
+    return run, imported, stderr
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["ops"], ["docs", "0.7"], ["build", "--help"]])
+def test_script_answers_without_importing_torch(tmp_path, args):
+    run, imported, stderr = _run_script(tmp_path, *args)
+    assert run.returncode == 0, stderr
+    assert "torch" not in imported and "cam_jit" not in imported, sorted(imported)[:20]
+    if args[0] in ("--help", "build"):
+        assert run.stdout.startswith(f"usage: cam-jit {'build ' if args[0] == 'build' else ''}["), run.stdout
+    if args == ["--version"]:
+        assert run.stdout == f"cam_jit {cam_jit.__version__}\n"
+    if args == ["ops"]:
+        from cam_jit.ops import describe_ops
+
+        lines = run.stdout.splitlines()
+        for op in describe_ops():
+            line = next(line for line in lines if line.split()[0] == op["name"])
+            assert line.endswith(op["ge_converter"]), line
+        assert len(lines) == len(describe_ops()) and "cam-jit ops --backends" in stderr
+
+
+def test_script_runs_the_other_commands_with_the_package(tmp_path):
+    run, imported, stderr = _run_script(tmp_path, "ops", "--backends")
+    assert run.returncode == 0 and "torch" in imported, stderr
+    assert "CPU, Meta" in run.stdout and "PrivateUse1" not in run.stdout
+    run, imported, stderr = _run_script(tmp_path, "build", "--backend", "nope")
+    assert run.returncode == 2 and "usage: cam-jit" in stderr and "expected one of cpu" in stderr, stderr
+
+
+def test_module_usage_names_python_m_and_ops_says_npu(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert capsys.readouterr().out.startswith("usage: python -m cam_jit [")
+    assert main(["ops"]) == 0
+    out = capsys.readouterr().out
+    assert "PrivateUse1" not in out and "cam_jit::fused_deep_moe" in out
+    from cam_jit.ops import describe_ops
+
+    assert all(set(op["backends"]) <= {"CPU", "Meta", "NPU"} for op in describe_ops())

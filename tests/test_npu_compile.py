@@ -1,7 +1,7 @@
 """The NPU compile check: every wrapper translation unit compiles against torch_npu's headers.
 
-The torch_npu wheel matching torch is fetched with ``pip download --no-deps`` into a cache
-(``$CAM_JIT_TEST_WHEEL_DIR`` or ``~/.cache/cam_jit-test-wheels``) and only its headers and
+The torch_npu wheel matching torch comes from the test wheel cache (tests/wheel_cache.py:
+``$CAM_JIT_TEST_WHEEL_DIR``, default under pytest's cache directory) and only its headers and
 version file are extracted, to a temporary directory that is never on ``sys.path``: the wheel is
 never installed (its backend autoload entry point would break ``import torch`` here). Without
 network access to the package registry the test skips and says so.
@@ -14,47 +14,21 @@ import zipfile
 from pathlib import Path
 
 import pytest
-import torch
 
 from cam_jit.ascend import build, report
 from cam_jit.jit.spec import BuildSpec
 
+import wheel_cache
+from wheel_cache import TORCH_NPU_VERSION
+
 REPO = Path(__file__).resolve().parents[1]
-TORCH_NPU_VERSION = torch.__version__.split("+")[0]  # torch_npu releases follow torch's version
-
-
-def wheel_dir() -> Path:
-    return Path(os.environ.get("CAM_JIT_TEST_WHEEL_DIR") or
-                Path.home() / ".cache" / "cam_jit-test-wheels")
-
-
-def fetch_wheel() -> Path:
-    """The cached torch_npu wheel, downloaded first if needed; skips without registry access."""
-    directory = wheel_dir()
-    pattern = f"torch_npu-{TORCH_NPU_VERSION}-*.whl"
-    found = sorted(directory.glob(pattern))
-    if found:
-        return found[-1]
-    directory.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           f"torch-npu=={TORCH_NPU_VERSION}", "-d", str(directory)]
-    try:
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired:
-        pytest.skip(f"`{' '.join(cmd)}` timed out: no usable access to the package registry")
-    found = sorted(directory.glob(pattern))
-    if run.returncode != 0 or not found:
-        tail = " | ".join((run.stdout + run.stderr).strip().splitlines()[-3:])
-        pytest.skip(f"cannot fetch torch-npu=={TORCH_NPU_VERSION} (no network access to the "
-                    f"package registry?): {tail}")
-    return found[-1]
 
 
 @pytest.fixture(scope="module")
 def torch_npu_root(tmp_path_factory):
     """A directory holding ``torch_npu/include`` and ``torch_npu/version.py`` from the wheel."""
     root = tmp_path_factory.mktemp("torch_npu_wheel")
-    with zipfile.ZipFile(fetch_wheel()) as wheel:
+    with zipfile.ZipFile(wheel_cache.torch_npu_wheel()) as wheel:
         members = [m for m in wheel.namelist()
                    if m.startswith("torch_npu/include/") or m == "torch_npu/version.py"]
         wheel.extractall(root, members)

@@ -32,12 +32,13 @@ _register_npu_kernels()  # PrivateUse1 kernels; need neither torch_npu nor a com
 if "torchair" in sys.modules:  # Ascend graph mode in use (torch_npu provides torchair): its converters too
     register_ge_converters()
 
-_DISPATCH_KEYS = ("CPU", "Meta", "PrivateUse1")
+# backend name shown to users -> dispatch key (torch_npu registers the NPU as PrivateUse1)
+_BACKEND_KEYS = {"CPU": "CPU", "Meta": "Meta", "NPU": "PrivateUse1"}
 
 
 def describe_ops() -> List[Dict[str, object]]:
-    """One entry per op: qualified name, schema, public function, the backends (dispatch keys) that
-    have a kernel right now (read from the dispatcher, not from a list; a composite kernel of a
+    """One entry per op: qualified name, schema, public function, the backends ("CPU", "Meta",
+    "NPU": the dispatch keys CPU, Meta, PrivateUse1) that have a kernel right now (read from the dispatcher, not from a list; a composite kernel of a
     host-side op counts for every backend), and its TorchAir GE converter
     ("GE converter" or "no GE converter: <reason>", from ge_converters/)."""
     converters = ge_converter_status()
@@ -46,7 +47,7 @@ def describe_ops() -> List[Dict[str, object]]:
             "name": info.qualname,
             "schema": info.name + info.schema,
             "python_api": f"cam_jit.{info.name}",
-            "backends": [key for key in _DISPATCH_KEYS
+            "backends": [name for name, key in _BACKEND_KEYS.items()
                          if torch._C._dispatch_has_computed_kernel_for_dispatch_key(info.qualname, key)],
             "ge_converter": converters.get(info.name, "no GE converter: not listed in ge_converters/"),
         }
