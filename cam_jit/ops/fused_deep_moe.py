@@ -331,7 +331,7 @@ def _cpu(x, expert_ids, gmm1_weight, gmm1_weight_scale, gmm2_weight, gmm2_weight
     smooth = expert_smooth_scales
     if smooth is None:  # a pair's quantised row depends only on its token: quantise each token once
         q_token, scale_token = kernels.quantize_rows(x[:active], None, None, None)
-        q, q_scale = q_token[route.token], scale_token[route.token]
+        q, q_scale = q_token.index_select(0, route.token), scale_token.index_select(0, route.token)
     else:
         q, q_scale = kernels.quantize_rows(x, smooth, route.token, route.expert)
     weights = (gmm1_weight, gmm1_weight_scale, gmm1_bias, gmm2_weight, gmm2_weight_scale, gmm2_bias)

@@ -4,6 +4,7 @@
 // (the portable variant, which for W4A8 unpacks each expert's int4 weights to int8 on every call
 // and multiplies the high and low nibbles of the activations, stacked into one GEMM, by them). The
 // epilogues are fused loops threaded with at::parallel_for.
+#include "elementwise.h"
 #include "int8_gemm.h"
 #include "moe_common.h"
 
@@ -15,6 +16,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <type_traits>
 #include <vector>
 
 namespace cam_jit_cpu {
@@ -33,6 +35,12 @@ struct W8A8Dequant {
   const float* s;
   int64_t width;
   float operator()(int64_t r, int64_t j) const { return static_cast<float>(acc[r * width + j]) * s[j]; }
+#if defined(__x86_64__)
+  // out[j] = (*this)(r, j) * scale for the whole row, AVX512.
+  void row_avx512(int64_t r, float scale, float* out) const {
+    avx512::dequant_w8a8(acc + r * width, s, scale, out, width);
+  }
+#endif
 };
 
 // W4A8 dequantisation before the per-token scale (§1.9 item 4):
@@ -48,6 +56,11 @@ struct W4A8Dequant {
     const float low = static_cast<float>(lo[r * width + j]) * s[j];
     return (high + low) + bias[j];
   }
+#if defined(__x86_64__)
+  void row_avx512(int64_t r, float scale, float* out) const {
+    avx512::dequant_w4a8(hi + r * width, lo + r * width, s, bias, scale, out, width);
+  }
+#endif
 };
 
 // Step 2.4: d[r, j] = dequant(r, j) * a[r]. Also writes -d of the gate half into neg_gate so that
@@ -59,10 +72,18 @@ void dequant_gmm1(const Dequant& dequant, const float* a, at::Tensor& d, at::Ten
   const int64_t inter = width / 2;
   float* d_ptr = d.data_ptr<float>();
   float* ng_ptr = neg_gate.data_ptr<float>();
+  const bool vec = vector_kernel() == VectorKernel::kAvx512;
   at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* dr = d_ptr + r * width;
       const float token_scale = a[r];
+#if defined(__x86_64__)
+      if (vec) {
+        dequant.row_avx512(r, token_scale, dr);
+        avx512::negate(dr, ng_ptr + r * inter, inter);
+        continue;
+      }
+#endif
       for (int64_t j = 0; j < width; ++j) {
         dr[j] = dequant(r, j) * token_scale;
       }
@@ -83,6 +104,7 @@ void swiglu_requant(const at::Tensor& d, const at::Tensor& exp_neg, at::Tensor& 
   const float* u_ptr = exp_neg.data_ptr<float>();
   int8_t* q_ptr = q2.data_ptr<int8_t>();
   const float inv127 = 1.f / 127.f;
+  const bool vec = vector_kernel() == VectorKernel::kAvx512;
   at::parallel_for(0, rows, row_grain(2 * inter), [&](int64_t begin, int64_t end) {
     std::vector<float> h(inter);
     for (int64_t r = begin; r < end; ++r) {
@@ -90,7 +112,10 @@ void swiglu_requant(const at::Tensor& d, const at::Tensor& exp_neg, at::Tensor& 
       const float* up = gate + inter;
       const float* u = u_ptr + r * inter;
       float m = 0.f;
-      for (int64_t j = 0; j < inter; ++j) {
+#if defined(__x86_64__)
+      if (vec) m = avx512::swiglu(gate, up, u, h.data(), inter);
+#endif
+      for (int64_t j = 0; j < inter && !vec; ++j) {
         const float denom = u[j] + 1.f;
         const float g = gate[j] / denom;
         h[j] = g * up[j];
@@ -103,11 +128,17 @@ void swiglu_requant(const at::Tensor& d, const at::Tensor& exp_neg, at::Tensor& 
         b[r] = 0.f;
         continue;
       }
+      b[r] = m * inv127;
+#if defined(__x86_64__)
+      if (vec) {
+        avx512::quantize(h.data(), 127.f, inv_m, qr, inter);
+        continue;
+      }
+#endif
       for (int64_t j = 0; j < inter; ++j) {
         const float scaled = h[j] * 127.f;
         qr[j] = round_to_int8(scaled * inv_m);
       }
-      b[r] = m * inv127;
     }
   });
 }
@@ -115,10 +146,19 @@ void swiglu_requant(const at::Tensor& d, const at::Tensor& exp_neg, at::Tensor& 
 // Step 4.2: y[r, j] = cast(dequant(r, j) * b[r]) into `rows` rows of `out`.
 template <typename scalar_t, typename Dequant>
 void dequant_gmm2(const Dequant& dequant, int64_t rows, int64_t width, const float* b, scalar_t* out) {
+  const bool vec = std::is_same_v<scalar_t, c10::BFloat16> && vector_kernel() == VectorKernel::kAvx512;
   at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
+    std::vector<float> row(vec ? width : 0);
     for (int64_t r = begin; r < end; ++r) {
       scalar_t* yr = out + r * width;
       const float token_scale = b[r];
+#if defined(__x86_64__)
+      if (vec) {
+        dequant.row_avx512(r, token_scale, row.data());
+        avx512::float_to_bf16(row.data(), reinterpret_cast<uint16_t*>(yr), width);
+        continue;
+      }
+#endif
       for (int64_t j = 0; j < width; ++j) {
         yr[j] = static_cast<scalar_t>(dequant(r, j) * token_scale);
       }

@@ -1,4 +1,6 @@
 // Token-side kernels of fused_deep_moe on CPU: dispatch quantisation and the weighted combine.
+#include "elementwise.h"
+#include "int8_gemm.h"
 #include "moe_common.h"
 
 #include <ATen/Dispatch.h>
@@ -8,6 +10,7 @@
 
 #include <algorithm>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace cam_jit_cpu {
@@ -50,7 +53,9 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x,
   const int64_t x_rows = xc.size(0);
   const int64_t sm_rows = sm.defined() ? sm.size(0) : 0;
 
+  const bool vec = vector_kernel() == VectorKernel::kAvx512;
   AT_DISPATCH_REDUCED_FLOATING_TYPES(xc.scalar_type(), "quantize_rows", [&] {
+    constexpr bool bf16 = std::is_same_v<scalar_t, c10::BFloat16>;
     const scalar_t* x_ptr = xc.data_ptr<scalar_t>();
     const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(hidden, 1));
     at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
@@ -60,10 +65,19 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x,
         TORCH_CHECK(src >= 0 && src < x_rows, "_cam_jit_cpu::quantize_rows: x_index out of range");
         const scalar_t* xr = x_ptr + src * hidden;
         float amax = 0.f;
+        const float* sr = nullptr;
         if (sm_ptr) {
           const int64_t s = si_ptr ? si_ptr[i] : i;
           TORCH_CHECK(s >= 0 && s < sm_rows, "_cam_jit_cpu::quantize_rows: smooth_index out of range");
-          const float* sr = sm_ptr + s * hidden;
+          sr = sm_ptr + s * hidden;
+        }
+#if defined(__x86_64__)
+        if (bf16 && vec) {
+          avx512::bf16_to_float(reinterpret_cast<const uint16_t*>(xr), sr, v.data(), hidden);
+          amax = avx512::abs_max(v.data(), hidden);
+        } else
+#endif
+        if (sr) {
           for (int64_t j = 0; j < hidden; ++j) {
             v[j] = static_cast<float>(xr[j]) * sr[j];
             amax = abs_max(amax, v[j]);
@@ -81,10 +95,16 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x,
           scale_ptr[i] = 0.f;
           continue;
         }
+        scale_ptr[i] = 1.f / s_q;
+#if defined(__x86_64__)
+        if (vec) {
+          avx512::quantize(v.data(), 0.f, s_q, qr, hidden);
+          continue;
+        }
+#endif
         for (int64_t j = 0; j < hidden; ++j) {
           qr[j] = round_to_int8(v[j] * s_q);
         }
-        scale_ptr[i] = 1.f / s_q;
       }
     });
   });
@@ -114,7 +134,9 @@ at::Tensor combine(const at::Tensor& y, const at::Tensor& pair_rows, const at::T
   const int64_t* pr_ptr = pr.data_ptr<int64_t>();
   const float* w_ptr = wc.data_ptr<float>();
 
+  const bool vec = vector_kernel() == VectorKernel::kAvx512;
   AT_DISPATCH_REDUCED_FLOATING_TYPES(yc.scalar_type(), "combine", [&] {
+    constexpr bool bf16 = std::is_same_v<scalar_t, c10::BFloat16>;
     const scalar_t* y_ptr = yc.data_ptr<scalar_t>();
     scalar_t* out_ptr = out.data_ptr<scalar_t>();
     const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(hidden * std::max<int64_t>(topk, 1), 1));
@@ -128,12 +150,24 @@ at::Tensor combine(const at::Tensor& y, const at::Tensor& pair_rows, const at::T
           TORCH_CHECK(row < y_rows, "_cam_jit_cpu::combine: pair row ", row, " >= ", y_rows);
           const float w = w_ptr[t * topk + k];
           const scalar_t* yr = y_ptr + row * hidden;
+#if defined(__x86_64__)
+          if (bf16 && vec) {
+            avx512::accumulate_bf16(reinterpret_cast<const uint16_t*>(yr), w, acc.data(), hidden);
+            continue;
+          }
+#endif
           for (int64_t j = 0; j < hidden; ++j) {
             const float p = static_cast<float>(yr[j]) * w;
             acc[j] = acc[j] + p;
           }
         }
         scalar_t* orow = out_ptr + t * hidden;
+#if defined(__x86_64__)
+        if (bf16 && vec) {
+          avx512::float_to_bf16(acc.data(), reinterpret_cast<uint16_t*>(orow), hidden);
+          continue;
+        }
+#endif
         for (int64_t j = 0; j < hidden; ++j) {
           orow[j] = static_cast<scalar_t>(acc[j]);
         }

@@ -1,0 +1,34 @@
+// AVX512 row kernels of the element-wise stages (VectorKernel::kAvx512), bit-identical to the scalar
+// loops they replace: the same IEEE float32 operations in the same order per element (no FMA), the
+// same round-half-even, bf16 casts with c10's rounding and NaN, and a max|v| that falls back to the
+// scalar NaN-propagating fold when a row holds a NaN. Only for x86-64 builds; callers check
+// vector_kernel() first. bf16 values travel as their uint16_t bits.
+#pragma once
+
+#include <cstdint>
+
+namespace cam_jit_cpu {
+namespace avx512 {
+
+// The scalar fold `m = abs_max(m, v[j])` from m = 0 over the row.
+float abs_max(const float* v, int64_t n);
+// v[j] = f32(x[j]) (smooth == nullptr) or f32(x[j]) * smooth[j].
+void bf16_to_float(const uint16_t* x, const float* smooth, float* v, int64_t n);
+// q[j] = round_to_int8(v[j] * s) (pre == 0), or round_to_int8((v[j] * pre) * s).
+void quantize(const float* v, float pre, float s, int8_t* q, int64_t n);
+// d[j] = (f32(acc[j]) * s[j]) * a.
+void dequant_w8a8(const int32_t* acc, const float* s, float a, float* d, int64_t n);
+// d[j] = ((((f32(hi[j]) * s[j]) * 16) + f32(lo[j]) * s[j]) + bias[j]) * a.
+void dequant_w4a8(const int32_t* hi, const int32_t* lo, const float* s, const float* bias, float a, float* d,
+                  int64_t n);
+// out[j] = -v[j].
+void negate(const float* v, float* out, int64_t n);
+// h[j] = (gate[j] / (u[j] + 1)) * up[j]; returns the abs_max fold of h.
+float swiglu(const float* gate, const float* up, const float* u, float* h, int64_t n);
+// y[j] = bf16(v[j]) (c10 rounding: RNE, NaN -> 0x7FC0).
+void float_to_bf16(const float* v, uint16_t* y, int64_t n);
+// acc[j] = acc[j] + f32(y[j]) * w.
+void accumulate_bf16(const uint16_t* y, float w, float* acc, int64_t n);
+
+}  // namespace avx512
+}  // namespace cam_jit_cpu

@@ -1,0 +1,158 @@
+// AVX512 row kernels of the element-wise stages (see elementwise.h). Compiled for the baseline ISA
+// with per-function target attributes; called only after runtime CPU detection.
+#include "elementwise.h"
+
+#include "moe_common.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#define CAM_JIT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+
+namespace cam_jit_cpu {
+namespace avx512 {
+namespace {
+
+CAM_JIT_AVX512 inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
+}
+
+CAM_JIT_AVX512 inline __m512 abs_ps(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7FFFFFFF)));
+}
+
+// Running max|v| over lanes plus a NaN flag; the caller folds the lanes.
+struct MaxAcc {
+  __m512 max;
+  __mmask16 nan;
+};
+
+CAM_JIT_AVX512 inline void max_step(MaxAcc& acc, __m512 v, __mmask16 lanes) {
+  const __m512 a = abs_ps(v);
+  acc.nan |= _mm512_mask_cmp_ps_mask(lanes, a, a, _CMP_UNORD_Q);
+  acc.max = _mm512_mask_max_ps(acc.max, lanes, acc.max, a);
+}
+
+// max of non-NaN values is exact and order-free; with a NaN the scalar fold decides.
+CAM_JIT_AVX512 inline float finish_max(const MaxAcc& acc, const float* v, int64_t n) {
+  if (acc.nan) {
+    float m = 0.f;
+    for (int64_t j = 0; j < n; ++j) m = cam_jit_cpu::abs_max(m, v[j]);
+    return m;
+  }
+  return _mm512_reduce_max_ps(acc.max);
+}
+
+CAM_JIT_AVX512 inline __m512 load_bf16(const uint16_t* x, __mmask16 lanes) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(lanes, x);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+}  // namespace
+
+CAM_JIT_AVX512 float abs_max(const float* v, int64_t n) {
+  MaxAcc acc{_mm512_setzero_ps(), 0};
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 lanes = tail_mask(n - j);
+    max_step(acc, _mm512_maskz_loadu_ps(lanes, v + j), lanes);
+  }
+  return finish_max(acc, v, n);
+}
+
+CAM_JIT_AVX512 void bf16_to_float(const uint16_t* x, const float* smooth, float* v, int64_t n) {
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 lanes = tail_mask(n - j);
+    __m512 f = load_bf16(x + j, lanes);
+    if (smooth != nullptr) f = _mm512_mul_ps(f, _mm512_maskz_loadu_ps(lanes, smooth + j));
+    _mm512_mask_storeu_ps(v + j, lanes, f);
+  }
+}
+
+// round_to_int8: nearbyint, NaN -> 0, clamp to [-127, 127].
+CAM_JIT_AVX512 void quantize(const float* v, float pre, float s, int8_t* q, int64_t n) {
+  const __m512 vs = _mm512_set1_ps(s), vpre = _mm512_set1_ps(pre);
+  const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 lanes = tail_mask(n - j);
+    __m512 x = _mm512_maskz_loadu_ps(lanes, v + j);
+    if (pre != 0.f) x = _mm512_mul_ps(x, vpre);
+    x = _mm512_mul_ps(x, vs);
+    __m512 r = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __mmask16 number = _mm512_cmp_ps_mask(r, r, _CMP_ORD_Q);
+    r = _mm512_min_ps(_mm512_max_ps(r, lo), hi);
+    const __m512i i = _mm512_maskz_cvttps_epi32(number, r);
+    _mm_mask_storeu_epi8(q + j, lanes, _mm512_cvtepi32_epi8(i));
+  }
+}
+
+CAM_JIT_AVX512 void dequant_w8a8(const int32_t* acc, const float* s, float a, float* d, int64_t n) {
+  const __m512 va = _mm512_set1_ps(a);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 lanes = tail_mask(n - j);
+    const __m512 c = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(lanes, acc + j));
+    _mm512_mask_storeu_ps(d + j, lanes, _mm512_mul_ps(_mm512_mul_ps(c, _mm512_maskz_loadu_ps(lanes, s + j)), va));
+  }
+}
+
+CAM_JIT_AVX512 void dequant_w4a8(const int32_t* hi, const int32_t* lo, const float* s, const float* bias, float a,
+                                 float* d, int64_t n) {
+  const __m512 va = _mm512_set1_ps(a), sixteen = _mm512_set1_ps(16.f);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 lanes = tail_mask(n - j);
+    const __m512 sj = _mm512_maskz_loadu_ps(lanes, s + j);
+    const __m512 high = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(lanes, hi + j)), sj),
+                                      sixteen);
+    const __m512 low = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(lanes, lo + j)), sj);
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(high, low), _mm512_maskz_loadu_ps(lanes, bias + j));
+    _mm512_mask_storeu_ps(d + j, lanes, _mm512_mul_ps(sum, va));
+  }
+}
+
+CAM_JIT_AVX512 void negate(const float* v, float* out, int64_t n) {
+  const __m512i sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 lanes = tail_mask(n - j);
+    const __m512i x = _mm512_castps_si512(_mm512_maskz_loadu_ps(lanes, v + j));
+    _mm512_mask_storeu_ps(out + j, lanes, _mm512_castsi512_ps(_mm512_xor_si512(x, sign)));
+  }
+}
+
+CAM_JIT_AVX512 float swiglu(const float* gate, const float* up, const float* u, float* h, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  MaxAcc acc{_mm512_setzero_ps(), 0};
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 lanes = tail_mask(n - j);
+    const __m512 denom = _mm512_add_ps(_mm512_maskz_loadu_ps(lanes, u + j), one);
+    const __m512 g = _mm512_div_ps(_mm512_maskz_loadu_ps(lanes, gate + j), denom);
+    const __m512 hv = _mm512_mul_ps(g, _mm512_maskz_loadu_ps(lanes, up + j));
+    _mm512_mask_storeu_ps(h + j, lanes, hv);
+    max_step(acc, hv, lanes);
+  }
+  return finish_max(acc, h, n);
+}
+
+CAM_JIT_AVX512 void float_to_bf16(const float* v, uint16_t* y, int64_t n) {
+  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), nan = _mm512_set1_epi32(0x7FC0);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 lanes = tail_mask(n - j);
+    const __m512 f = _mm512_maskz_loadu_ps(lanes, v + j);
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, bias)), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), nan);
+    _mm256_mask_storeu_epi16(y + j, lanes, _mm512_cvtepi32_epi16(r));
+  }
+}
+
+CAM_JIT_AVX512 void accumulate_bf16(const uint16_t* y, float w, float* acc, int64_t n) {
+  const __m512 vw = _mm512_set1_ps(w);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 lanes = tail_mask(n - j);
+    const __m512 p = _mm512_mul_ps(load_bf16(y + j, lanes), vw);
+    _mm512_mask_storeu_ps(acc + j, lanes, _mm512_add_ps(_mm512_maskz_loadu_ps(lanes, acc + j), p));
+  }
+}
+
+}  // namespace avx512
+}  // namespace cam_jit_cpu
+#endif  // __x86_64__
