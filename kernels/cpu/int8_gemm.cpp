@@ -494,34 +494,52 @@ CAM_JIT_AMX void amx_i8_pairs(const int8_t* a, int64_t mp, const uint8_t* panels
   }
 }
 
-// W4A8: per 16-column block, the int4 panel is unpacked once into `scratch` (kp x 16 s8), then
-// every 16-row block of hi and lo runs against it: C tiles 0 (hi) and 1 (lo).
-CAM_JIT_AMX void amx_i4_blocks(const int8_t* hi, const int8_t* lo, int64_t mp, const uint8_t* panels, int64_t kp,
-                               int32_t* c_hi, int32_t* c_lo, int64_t ldc, int64_t b0, int64_t b1, uint8_t* scratch) {
+// W4A8: per pair of 16-column blocks, the int4 panels are unpacked once into `scratch` (2 x kp x
+// 16 s8), then every 16-row block of hi and lo runs against them: C tiles 0 / 1 = hi x block 0 / 1,
+// 2 / 3 = lo x block 0 / 1.
+CAM_JIT_AMX void amx_i4_pairs(const int8_t* hi, const int8_t* lo, int64_t mp, const uint8_t* panels, int64_t blocks,
+                              int64_t kp, int32_t* c_hi, int32_t* c_lo, int64_t ldc, int64_t p0, int64_t p1,
+                              uint8_t* scratch) {
   const int64_t panel_bytes = kp * kBlockN / 2;
   const int64_t ldc_bytes = ldc * 4;
   const __m512i low4 = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8);
-  for (int64_t b = b0; b < b1; ++b) {
-    const uint8_t* src = panels + b * panel_bytes;
-    for (int64_t pair = 0; pair < kp / 8; ++pair) {
-      const __m512i v = _mm512_load_si512(src + pair * 64);
-      const __m512i w0 = _mm512_sub_epi8(_mm512_and_si512(v, low4), eight);
-      const __m512i w1 = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), eight);
-      _mm512_store_si512(scratch + pair * 128, w0);
-      _mm512_store_si512(scratch + pair * 128 + 64, w1);
+  uint8_t* const unpacked[2] = {scratch, scratch + kp * kBlockN};
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t b = 2 * p;
+    const bool two_n = b + 1 < blocks;
+    for (int64_t half = 0; half < (two_n ? 2 : 1); ++half) {
+      const uint8_t* src = panels + (b + half) * panel_bytes;
+      for (int64_t pair = 0; pair < kp / 8; ++pair) {
+        const __m512i v = _mm512_load_si512(src + pair * 64);
+        _mm512_store_si512(unpacked[half] + pair * 128, _mm512_sub_epi8(_mm512_and_si512(v, low4), eight));
+        _mm512_store_si512(unpacked[half] + pair * 128 + 64,
+                           _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), eight));
+      }
     }
     for (int64_t r = 0; r < mp; r += 16) {
       _tile_zero(0);
       _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
       for (int64_t k = 0; k < kp; k += kBlockK) {
-        _tile_loadd(6, scratch + k * kBlockN, 64);
         _tile_loadd(4, hi + r * kp + k, kp);
         _tile_loadd(5, lo + r * kp + k, kp);
+        _tile_loadd(6, unpacked[0] + k * kBlockN, 64);
         _tile_dpbssd(0, 4, 6);
-        _tile_dpbssd(1, 5, 6);
+        _tile_dpbssd(2, 5, 6);
+        if (two_n) {
+          _tile_loadd(7, unpacked[1] + k * kBlockN, 64);
+          _tile_dpbssd(1, 4, 7);
+          _tile_dpbssd(3, 5, 7);
+        }
       }
-      _tile_stored(0, c_hi + r * ldc + b * kBlockN, ldc_bytes);
-      _tile_stored(1, c_lo + r * ldc + b * kBlockN, ldc_bytes);
+      const int64_t at = r * ldc + b * kBlockN;
+      _tile_stored(0, c_hi + at, ldc_bytes);
+      _tile_stored(2, c_lo + at, ldc_bytes);
+      if (two_n) {
+        _tile_stored(1, c_hi + at + kBlockN, ldc_bytes);
+        _tile_stored(3, c_lo + at + kBlockN, ldc_bytes);
+      }
     }
   }
 }
@@ -617,11 +635,11 @@ at::Tensor packed_matmul(const at::Tensor& q, const PackedMatrix& w, GemmKernel 
     const Activations act = prepare_activations(q, w.kp, mp, ActForm::kNibbles);
     const int8_t* hi = act.a.data_ptr<int8_t>();
     const int8_t* lo = act.b.data_ptr<int8_t>();
-    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-      std::vector<uint8_t> raw(w.kp * kBlockN + 64);
+    at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+      std::vector<uint8_t> raw(2 * w.kp * kBlockN + 64);
       uint8_t* scratch = reinterpret_cast<uint8_t*>(round_up(reinterpret_cast<intptr_t>(raw.data()), 64));
       amx_configure();
-      amx_i4_blocks(hi, lo, mp, panels, w.kp, cp, cp + mp * w.np, w.np, b0, b1, scratch);
+      amx_i4_pairs(hi, lo, mp, panels, blocks, w.kp, cp, cp + mp * w.np, w.np, p0, p1, scratch);
       amx_release();
     });
   }
