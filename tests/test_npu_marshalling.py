@@ -366,7 +366,11 @@ def test_every_registry_op_has_a_private_op(npu_harness):
     assert set(registry.torch_ops()) == set(npu_ops.KERNELS)
     assert npu_ops.aclnn_table() == {"fused_deep_moe": "aclnnFusedDeepMoe", "a2e": "aclnnA2e",
                                      "e2a": "aclnnE2a", "all2_all_detour": "aclnnAll2AllDetour",
-                                     "reduce_scatter_detour": "aclnnReduceScatterDetour"}
+                                     "reduce_scatter_detour": "aclnnReduceScatterDetour",
+                                     "moe_dispatch_layout": "aclnnDispatchLayout",
+                                     "moe_notify_dispatch": "aclnnNotifyDispatch",
+                                     "moe_dispatch_normal": "aclnnMoeDispatchNormal",
+                                     "moe_combine_normal": "aclnnMoeCombineNormal"}
 
 
 def test_fused_deep_moe_w4a8_through_the_kernel(sims, bound):

@@ -49,4 +49,30 @@ TORCH_LIBRARY_FRAGMENT(CAM_JIT_NPU_NS, m) {
       "reduce_scatter_detour(Tensor sendData, Tensor commRankIds, Tensor commArgs, int magic, "
       "int rankSize, int op, Tensor(a!) out) -> ()",
       &cam_jit_npu::reduce_scatter_detour);
+  m.def(
+      "moe_dispatch_layout(Tensor topk_idx, int num_tokens, int num_ranks, int num_experts, "
+      "int num_topk, int local_rank_size, Tensor(a!) num_tokens_per_rank, "
+      "Tensor(b!) num_tokens_per_expert, Tensor(c!) is_token_in_rank, Tensor(d!) notify_send_data, "
+      "Tensor(e!) send_token_idx) -> ()",
+      &cam_jit_npu::moe_dispatch_layout);
+  m.def(
+      "moe_notify_dispatch(Tensor(a!) send_data, Tensor num_tokens_per_expert, int send_count, "
+      "int num_tokens, str group_ep, int rank_size, int rank_id, int local_rank_size, "
+      "int local_rank_id, Tensor(b!) send_offset, Tensor(c!) recv_data, "
+      "Tensor(d!) total_recv_tokens, Tensor(e!) recv_count, Tensor(f!) recv_offset, "
+      "Tensor(g!) max_bs, Tensor(h!) recv_tokens_per_expert) -> ()",
+      &cam_jit_npu::moe_notify_dispatch);
+  m.def(
+      "moe_dispatch_normal(Tensor x, Tensor topk_idx, Tensor send_offset, Tensor send_token_idx, "
+      "Tensor recv_offset, Tensor recv_count, str group_ep, int ep_world_size, int ep_rank_id, "
+      "str group_tp, int tp_world_size, int tp_rank_id, int moe_expert_num, int quant_mode, "
+      "int global_bs, Tensor(a!) recv_x, Tensor(b!) recv_x_scales, "
+      "Tensor(c!) assist_info_for_combine) -> ()",
+      &cam_jit_npu::moe_dispatch_normal);
+  m.def(
+      "moe_combine_normal(Tensor recv_x, Tensor token_src_info, Tensor ep_recv_counts, "
+      "Tensor recv_topk_weights, Tensor tp_recv_counts, str group_ep, int ep_world_size, "
+      "int ep_rank_id, str group_tp, int tp_world_size, int tp_rank_id, int moe_expert_num, "
+      "int global_bs, Tensor(a!) out) -> ()",
+      &cam_jit_npu::moe_combine_normal);
 }

@@ -46,4 +46,32 @@ void reduce_scatter_detour(const at::Tensor& send_data, const at::Tensor& comm_r
                            const at::Tensor& comm_args, int64_t magic, int64_t rank_size,
                            int64_t op, const at::Tensor& out);
 
+void moe_dispatch_layout(const at::Tensor& topk_idx, int64_t num_tokens, int64_t num_ranks,
+                         int64_t num_experts, int64_t num_topk, int64_t local_rank_size,
+                         const at::Tensor& num_tokens_per_rank, const at::Tensor& num_tokens_per_expert,
+                         const at::Tensor& is_token_in_rank, const at::Tensor& notify_send_data,
+                         const at::Tensor& send_token_idx);
+
+void moe_notify_dispatch(const at::Tensor& send_data, const at::Tensor& num_tokens_per_expert,
+                         int64_t send_count, int64_t num_tokens, std::string group_ep, int64_t rank_size,
+                         int64_t rank_id, int64_t local_rank_size, int64_t local_rank_id,
+                         const at::Tensor& send_offset, const at::Tensor& recv_data,
+                         const at::Tensor& total_recv_tokens, const at::Tensor& recv_count,
+                         const at::Tensor& recv_offset, const at::Tensor& max_bs,
+                         const at::Tensor& recv_tokens_per_expert);
+
+void moe_dispatch_normal(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& send_offset,
+                         const at::Tensor& send_token_idx, const at::Tensor& recv_offset,
+                         const at::Tensor& recv_count, std::string group_ep, int64_t ep_world_size,
+                         int64_t ep_rank_id, std::string group_tp, int64_t tp_world_size,
+                         int64_t tp_rank_id, int64_t moe_expert_num, int64_t quant_mode, int64_t global_bs,
+                         const at::Tensor& recv_x, const at::Tensor& recv_x_scales,
+                         const at::Tensor& assist_info_for_combine);
+
+void moe_combine_normal(const at::Tensor& recv_x, const at::Tensor& token_src_info,
+                        const at::Tensor& ep_recv_counts, const at::Tensor& recv_topk_weights,
+                        const at::Tensor& tp_recv_counts, std::string group_ep, int64_t ep_world_size,
+                        int64_t ep_rank_id, std::string group_tp, int64_t tp_world_size, int64_t tp_rank_id,
+                        int64_t moe_expert_num, int64_t global_bs, const at::Tensor& out);
+
 }  // namespace cam_jit_npu

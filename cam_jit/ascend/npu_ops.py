@@ -220,9 +220,94 @@ def reduce_scatter_detour(sendData, commRankIds, commArgs, commId, op):
     raise NotImplementedError(DETOUR_ON_NPU.format(op="reduce_scatter_detour"))
 
 
+# ---- prefill ("normal") dispatch and combine: UMDK master's kernels, called as its pybind
+# (get_dispatch_layout.cpp, moe_dispatch_prefill.cpp, moe_combine_prefill.cpp) calls them.
+LAYOUT_LOCAL_RANK_SIZE = 8  # get_dispatch_layout.cpp's LOCAL_RANK_SIZE
+LAYOUT_MAX_BATCH = 4096  # its MAX_BATCH_SIZE, in the size of the layout kernel's scratch output
+NOTIFY_FIELDS = 3  # notify's per-expert (count, offset, num_tokens) send groups
+
+
+def _routed_everywhere(op: str, expert_ids: torch.Tensor) -> None:
+    """UMDK's prefill kernels index by every id (the combine waits for all K results of a token):
+    an id of -1 would read out of bounds or hang, so it is refused before the launch."""
+    if expert_ids.numel() and bool((expert_ids < 0).any()):
+        raise ValueError(f"{op} on NPU: argument 'expert_ids': expected every id in [0, moe_expert_num) (UMDK's "
+                         "prefill kernels have no -1 handling; the CPU path skips -1), got ids of -1")
+
+
+def moe_dispatch_layout(expert_ids, moe_expert_num, ep_rank_size):
+    """NPU kernel of cam_jit::moe_dispatch_layout: aclnnDispatchLayout on int64 ids, with the
+    scratch output sized as UMDK's binding sizes it."""
+    outputs = _zeroed(_op_module("moe_normal")._layout_fake(expert_ids, moe_expert_num, ep_rank_size))
+    _routed_everywhere("moe_dispatch_layout", expert_ids)
+    batch, topk = expert_ids.shape
+    servers = ep_rank_size // LAYOUT_LOCAL_RANK_SIZE
+    scratch = expert_ids.new_zeros((moe_expert_num * (1 + LAYOUT_MAX_BATCH) + servers
+                                    + LAYOUT_MAX_BATCH * (1 + 2 * servers + moe_expert_num),), dtype=torch.int32)
+    binding().ops.moe_dispatch_layout(expert_ids.to(torch.int64).contiguous(), batch, ep_rank_size, moe_expert_num,
+                                      topk, LAYOUT_LOCAL_RANK_SIZE, outputs[0], outputs[1], outputs[2], scratch,
+                                      outputs[3])
+    return outputs
+
+
+def moe_notify_dispatch(num_tokens_per_expert, num_tokens, group_ep, ep_rank_size, ep_rank_id):
+    """NPU kernel of cam_jit::moe_notify_dispatch: aclnnNotifyDispatch with its send and receive
+    scratch (3 ints per expert), local rank size = R and local rank = ep_rank_id (UMDK's binding)."""
+    outputs = _zeroed(_op_module("moe_normal")._notify_fake(num_tokens_per_expert, num_tokens, group_ep,
+                                                            ep_rank_size, ep_rank_id))
+    send_offset, recv_offset, recv_count, total, max_bs, per_expert = outputs
+    experts = num_tokens_per_expert.shape[0]
+    send_data = num_tokens_per_expert.new_zeros((NOTIFY_FIELDS * experts,))
+    recv_data = num_tokens_per_expert.new_zeros((NOTIFY_FIELDS * experts,))
+    binding().ops.moe_notify_dispatch(send_data, num_tokens_per_expert, NOTIFY_FIELDS * experts, num_tokens,
+                                      hccl.comm_name("moe_notify_dispatch", group_ep), ep_rank_size, ep_rank_id,
+                                      ep_rank_size, ep_rank_id % ep_rank_size, send_offset, recv_data, total,
+                                      recv_count, recv_offset, max_bs, per_expert)
+    return outputs
+
+
+def moe_dispatch_normal(x, expert_ids, send_offset, send_token_idx, recv_offset, recv_count, group_ep,
+                        ep_rank_size, ep_rank_id, moe_expert_num, quant_mode, global_bs, num_recv_tokens):
+    """NPU kernel of cam_jit::moe_dispatch_normal: aclnnMoeDispatchNormal with int32 ids, no TP
+    (tp_world_size 1), global_bs 0 read as BS * R, and at least one output row (the kernel's
+    buffers are never empty, as in UMDK's binding); assist info is the kernel's flat [N * 3]."""
+    fake = _op_module("moe_normal")._dispatch_fake(x, expert_ids, send_offset, send_token_idx, recv_offset,
+                                                   recv_count, group_ep, ep_rank_size, ep_rank_id,
+                                                   moe_expert_num, quant_mode, global_bs, num_recv_tokens)
+    _routed_everywhere("moe_dispatch_normal", expert_ids)
+    rows = max(num_recv_tokens, 1)
+    recv_x = fake[0].new_zeros((rows, x.shape[1]))
+    scales = fake[1].new_zeros((rows,))
+    assist = fake[2].new_zeros((rows * 3,))
+    name = hccl.comm_name("moe_dispatch_normal", group_ep)
+    binding().ops.moe_dispatch_normal(x, expert_ids.to(torch.int32).contiguous(), send_offset, send_token_idx,
+                                      recv_offset, recv_count, name, ep_rank_size, ep_rank_id, name, 1, 0,
+                                      moe_expert_num, quant_mode, global_bs or x.shape[0] * ep_rank_size, recv_x,
+                                      scales, assist)
+    n = num_recv_tokens
+    return recv_x[:n], scales[:n], assist.view(rows, 3)[:n]
+
+
+def moe_combine_normal(recv_x, assist_info_for_combine, recv_count, expert_ids, expert_scales, group_ep,
+                       ep_rank_size, ep_rank_id, moe_expert_num, global_bs):
+    """NPU kernel of cam_jit::moe_combine_normal: aclnnMoeCombineNormal (no TP: a one-element
+    tp_recv_counts, tp_world_size 1), global_bs 0 read as BS * R as in UMDK's binding."""
+    out = _zeroed(_op_module("moe_normal")._combine_fake(recv_x, assist_info_for_combine, recv_count, expert_ids,
+                                                         expert_scales, group_ep, ep_rank_size, ep_rank_id,
+                                                         moe_expert_num, global_bs))
+    _routed_everywhere("moe_combine_normal", expert_ids)
+    name = hccl.comm_name("moe_combine_normal", group_ep)
+    binding().ops.moe_combine_normal(recv_x, assist_info_for_combine.reshape(-1), recv_count, expert_scales,
+                                     recv_count.new_zeros((1,)), name, ep_rank_size, ep_rank_id, name, 1, 0,
+                                     moe_expert_num, global_bs or expert_ids.shape[0] * ep_rank_size, out)
+    return out
+
+
 KERNELS: Dict[str, Callable] = {
     "fused_deep_moe": fused_deep_moe, "a2e": a2e, "e2a": e2a,
     "all2_all_detour": all2_all_detour, "reduce_scatter_detour": reduce_scatter_detour,
+    "moe_dispatch_layout": moe_dispatch_layout, "moe_notify_dispatch": moe_notify_dispatch,
+    "moe_dispatch_normal": moe_dispatch_normal, "moe_combine_normal": moe_combine_normal,
 }
 _REGISTERED: List[str] = []
 

@@ -261,5 +261,51 @@ Status aclnnReduceScatterDetourGetWorkspaceSize(Tn send, Tn ids, Tn args, int64_
   return end_ws(ws, ex);
 }
 LAUNCH(aclnnReduceScatterDetour)
+
+/* UMDK master's prefill kernels (op_api/aclnn_dispatch_layout.h, aclnn_notify_dispatch.h,
+ * aclnn_moe_dispatch_normal.h, aclnn_moe_combine_normal.h) */
+Status aclnnDispatchLayoutGetWorkspaceSize(Tn topk, int64_t tokens, int64_t ranks, int64_t experts,
+    int64_t k, int64_t local_ranks, Tn per_rank, Tn per_expert, Tn in_rank, Tn scratch, Tn token_idx,
+    uint64_t* ws, void** ex) {
+  begin("aclnnDispatchLayoutGetWorkspaceSize");
+  T(topk); I(tokens); I(ranks); I(experts); I(k); I(local_ranks); T(per_rank); T(per_expert); T(in_rank);
+  T(scratch); T(token_idx);
+  return end_ws(ws, ex);
+}
+LAUNCH(aclnnDispatchLayout)
+
+Status aclnnNotifyDispatchGetWorkspaceSize(Tn send_data, Tn per_expert, int64_t send_count, int64_t tokens,
+    char* group, int64_t ranks, int64_t rank, int64_t local_ranks, int64_t local_rank, Tn send_offset,
+    Tn recv_data, Tn total, Tn recv_count, Tn recv_offset, Tn max_bs, Tn recv_per_expert, uint64_t* ws,
+    void** ex) {
+  begin("aclnnNotifyDispatchGetWorkspaceSize");
+  T(send_data); T(per_expert); I(send_count); I(tokens); S(group); I(ranks); I(rank); I(local_ranks);
+  I(local_rank); T(send_offset); T(recv_data); T(total); T(recv_count); T(recv_offset); T(max_bs);
+  T(recv_per_expert);
+  return end_ws(ws, ex);
+}
+LAUNCH(aclnnNotifyDispatch)
+
+Status aclnnMoeDispatchNormalGetWorkspaceSize(Tn x, Tn topk, Tn send_offset, Tn token_idx, Tn recv_offset,
+    Tn recv_count, char* group_ep, int64_t ranks, int64_t rank, char* group_tp, int64_t tp_size,
+    int64_t tp_rank, int64_t experts, int64_t quant, int64_t gbs, Tn recv_x, Tn scales, Tn assist,
+    Tn stats, uint64_t* ws, void** ex) {
+  begin("aclnnMoeDispatchNormalGetWorkspaceSize");
+  T(x); T(topk); T(send_offset); T(token_idx); T(recv_offset); T(recv_count); S(group_ep); I(ranks);
+  I(rank); S(group_tp); I(tp_size); I(tp_rank); I(experts); I(quant); I(gbs); T(recv_x); T(scales);
+  T(assist); T(stats);
+  return end_ws(ws, ex);
+}
+LAUNCH(aclnnMoeDispatchNormal)
+
+Status aclnnMoeCombineNormalGetWorkspaceSize(Tn recv_x, Tn src_info, Tn recv_counts, Tn weights,
+    Tn tp_counts, char* group_ep, int64_t ranks, int64_t rank, char* group_tp, int64_t tp_size,
+    int64_t tp_rank, int64_t experts, int64_t gbs, Tn out_, Tn stats, uint64_t* ws, void** ex) {
+  begin("aclnnMoeCombineNormalGetWorkspaceSize");
+  T(recv_x); T(src_info); T(recv_counts); T(weights); T(tp_counts); S(group_ep); I(ranks); I(rank);
+  S(group_tp); I(tp_size); I(tp_rank); I(experts); I(gbs); T(out_); T(stats);
+  return end_ws(ws, ex);
+}
+LAUNCH(aclnnMoeCombineNormal)
 #endif
 #endif  /* SIM_ERRMSG_ONLY */

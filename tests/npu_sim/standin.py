@@ -310,8 +310,97 @@ def e2a(args: list) -> None:
     _store("aclnnE2a", [out], [result])
 
 
+# UMDK master's prefill kernels (ascend_kernels/{dispatch_layout,notify_dispatch,moe_dispatch_normal,
+# moe_combine_normal}/op_kernel/*.h): what each reads, and the checks of their op_host tilings.
+AIV_CORES = 48  # vector cores of an ascend910_93 die: the layout kernel's scratch holds one [E] row per core
+
+
+def _require(op: str, ok: bool, what: str) -> None:
+    if not ok:
+        raise StandinError(f"{op}: {what}")
+
+
+def _process_group(op: str, group: str, ranks: int, rank: int):
+    from cam_jit.ops.groups import resolve_group
+
+    name = _torch_group(op, group)
+    return "" if ranks == 1 else resolve_group(op, name, ranks, rank)
+
+
+def dispatch_layout(args: list) -> None:
+    """aclnnDispatchLayout: reads topkIdx as int64 and indexes its counters by every id (no -1)."""
+    op = "aclnnDispatchLayout"
+    topk, tokens, ranks, experts, k, local_ranks, per_rank, per_expert, in_rank, scratch, token_idx = args
+    _require(op, topk.dtype == torch.int64 and list(topk.shape) == [tokens, k], f"topkIdx {topk.dtype} "
+             f"{list(topk.shape)}, the kernel reads int64 [numTokens={tokens}, numTopk={k}]")
+    _require(op, not topk.numel() or int(topk.min()) >= 0, "an id of -1 indexes its counters out of bounds")
+    _require(op, scratch.numel() >= AIV_CORES * experts, f"notifySendData of {scratch.numel()} ints, the "
+             f"kernel writes {AIV_CORES} x numExperts")
+    results = torch.ops.cam_jit.moe_dispatch_layout(topk, experts, ranks)
+    _store(op, [per_rank, per_expert, in_rank, token_idx], results)
+
+
+def notify_dispatch(args: list) -> None:
+    """aclnnNotifyDispatch: sends 3 ints per expert (sendCount = 3 * E) to the experts' ranks."""
+    op = "aclnnNotifyDispatch"
+    (send_data, per_expert, send_count, tokens, group, ranks, rank, local_ranks, local_rank, send_offset,
+     recv_data, total, recv_count, recv_offset, max_bs, recv_per_expert) = args
+    experts = per_expert.shape[0]
+    _require(op, send_count == 3 * experts and send_data.numel() >= send_count and recv_data.numel() >= send_count,
+             f"sendCount {send_count}, sendData {send_data.numel()}, recvData {recv_data.numel()} ints for "
+             f"{experts} experts (3 each)")
+    _require(op, local_ranks > 0 and ranks % local_ranks == 0 and local_rank == rank % local_ranks,
+             f"localRankSize {local_ranks} / localRankId {local_rank} for rank {rank} of {ranks}")
+    results = torch.ops.cam_jit.moe_notify_dispatch(per_expert, tokens, _torch_group(op, group), ranks, rank)
+    _store(op, [send_offset, recv_offset, recv_count, total, max_bs, recv_per_expert], results)
+
+
+def dispatch_normal(args: list) -> None:
+    """aclnnMoeDispatchNormal: writes recvCount[-1] rows; assist info is 1-D (tiling)."""
+    op = "aclnnMoeDispatchNormal"
+    (x, topk, send_offset, token_idx, recv_offset, recv_count, group, ranks, rank, group_tp, tp_size, tp_rank,
+     experts, quant, global_bs, recv_x, scales, assist, stats) = args
+    rows = int(recv_count[-1])
+    _require(op, topk.dtype == torch.int32, f"topk_idx {topk.dtype}, the kernel reads int32")
+    _require(op, assist.dim() == 1 and assist.numel() >= 3 * rows and recv_x.shape[0] >= rows
+             and scales.shape[0] >= rows, f"outputs recv_x {list(recv_x.shape)}, x_scales {list(scales.shape)}, "
+             f"assist_info_for_combine {list(assist.shape)} (1-D) for {rows} rows")
+    _require(op, 0 <= tp_size <= 2 and global_bs >= x.shape[0] * ranks, f"tp_world_size {tp_size}, global_bs "
+             f"{global_bs} (the window reserves global_bs / R tokens per rank; this rank has {x.shape[0]})")
+    results = torch.ops.cam_jit.moe_dispatch_normal(x, topk, send_offset, token_idx, recv_offset, recv_count,
+                                                    _torch_group(op, group), ranks, rank, experts, quant, global_bs,
+                                                    rows)
+    _store(op, [recv_x[:rows], scales[:rows], assist[:3 * rows].view(rows, 3)], results)
+
+
+def combine_normal(args: list) -> None:
+    """aclnnMoeCombineNormal: each row goes back to (source rank, token, k) of its assist triple;
+    a token's output waits for all K of its results (an unfilled slot would hang the kernel), and is
+    the float32 sum over k ascending (cam_jit.reference.moe_normal, all ids routed)."""
+    from cam_jit.reference import moe_normal as reference
+
+    op = "aclnnMoeCombineNormal"
+    (recv_x, src_info, recv_counts, weights, tp_counts, group, ranks, rank, group_tp, tp_size, tp_rank, experts,
+     global_bs, out, stats) = args
+    rows = int(recv_counts[-1])
+    _require(op, src_info.dim() == 1 and src_info.numel() >= 3 * rows and recv_counts.shape[0] == experts,
+             f"tokenSrcInfo {list(src_info.shape)} (1-D, 3 per row) and epRecvCounts {list(recv_counts.shape)} "
+             f"for {rows} rows and {experts} experts")
+    process_group = _process_group(op, group, ranks, rank)
+    assist = src_info[:3 * rows].view(rows, 3)
+    routed = torch.zeros(weights.shape, dtype=torch.int32)  # every slot awaited
+    filled = reference.combine_normal(torch.ones(rows, 1, dtype=torch.float32), assist, routed,
+                                      torch.ones(weights.shape), process_group, ranks, rank)
+    _require(op, bool((filled == weights.shape[1]).all()), "a (token, k) slot gets no result: the kernel would "
+             "wait for it forever")
+    result = reference.combine_normal(recv_x[:rows], assist, routed, weights, process_group, ranks, rank)
+    _store(op, [out], [result])
+
+
 KERNELS: Dict[str, Callable[[list], None]] = {
     "aclnnFusedDeepMoe": fused_deep_moe, "aclnnA2e": a2e, "aclnnE2a": e2a,
+    "aclnnDispatchLayout": dispatch_layout, "aclnnNotifyDispatch": notify_dispatch,
+    "aclnnMoeDispatchNormal": dispatch_normal, "aclnnMoeCombineNormal": combine_normal,
 }
 
 
