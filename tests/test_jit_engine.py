@@ -22,7 +22,7 @@ import torch
 
 import cam_jit
 from cam_jit import jit
-from cam_jit.jit import core, toolchain
+from cam_jit.jit import core, memo, toolchain
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "jit_data"
@@ -460,3 +460,89 @@ def test_waiter_says_what_it_waits_for(src, caplog, monkeypatch, procs):
     assert loaded.built and time.monotonic() - start > 1.0
     waits = [r.getMessage() for r in caplog.records if "waiting" in r.getMessage()]
     assert len(waits) >= 2 and str(lock) in waits[0] and "test-tiny" in waits[0]
+
+
+# ------------------------------------------------------------------------- sources memo
+
+@pytest.fixture
+def settled(monkeypatch):
+    """Sources count as settled at once (they are seconds old in a real checkout, fresh here),
+    and a counter of how often the engine hashes them."""
+    monkeypatch.setattr(memo, "SETTLE_SECONDS", 0.0)
+    hashed = []
+    real = core.file_digests
+    monkeypatch.setattr(core, "file_digests", lambda spec: hashed.append(spec.backend) or real(spec))
+    return hashed
+
+
+def memos(backend):
+    return sorted(p.name for p in (jit.cache_dir() / backend).glob(f"{memo.PREFIX}*"))
+
+
+def test_warm_load_finds_the_entry_without_hashing_the_sources(src, settled):
+    spec = make_spec(src, "tiny")
+    first = jit.load_spec(spec)
+    hashed = len(settled)
+    assert first.built and hashed and len(memos("test-tiny")) == 1
+    again = jit.load_spec(spec)
+    assert not again.built and again.entry == first.entry and len(settled) == hashed  # not hashed again
+
+
+def test_an_edit_that_keeps_size_and_mtime_still_misses_the_memo(src, settled):
+    spec = make_spec(src, "tiny")
+    first = jit.load_spec(spec)
+    header = src / "tiny.h"
+    before = header.stat()
+    header.write_text(header.read_text().replace("42", "43"))  # same size
+    os.utime(header, ns=(before.st_atime_ns, before.st_mtime_ns))  # same mtime; ctime moved on
+    hashed = len(settled)
+    edited = jit.load_spec(spec)
+    assert len(settled) > hashed and edited.built and edited.entry != first.entry
+    assert len(memos("test-tiny")) == 1  # the new state's memo replaced the old one
+    hashed = len(settled)
+    assert not jit.load_spec(spec).built and len(settled) == hashed
+
+
+def test_fresh_sources_record_no_memo(src, settled, monkeypatch):
+    monkeypatch.setattr(memo, "SETTLE_SECONDS", 3600.0)  # every file "was just edited"
+    spec = make_spec(src, "tiny")
+    jit.load_spec(spec)
+    hashed = len(settled)
+    jit.load_spec(spec)
+    assert memos("test-tiny") == [] and len(settled) == hashed + 1
+
+
+def test_a_memo_others_can_write_or_pointing_elsewhere_is_not_trusted(src, settled):
+    spec = make_spec(src, "tiny")
+    first = jit.load_spec(spec)
+    (name,) = memos("test-tiny")
+    path = jit.cache_dir() / "test-tiny" / name
+    path.chmod(0o666)
+    hashed = len(settled)
+    assert not jit.load_spec(spec).built and len(settled) == hashed + 1  # ignored: hashed, rewritten 0644
+    assert path.stat().st_mode & 0o777 == 0o644
+    other = jit.load_spec(make_spec(src, "tiny", headers=()))  # another content key, same cache
+    other_key = other.entry.parent.name
+    (jit.cache_dir() / "test-tiny").joinpath(name).write_text(other_key)  # a memo lying about the key
+    path.chmod(0o644)
+    hashed = len(settled)
+    again = jit.load_spec(spec)
+    assert again.entry == first.entry and not again.built and len(settled) == hashed + 1
+
+
+def test_memo_hit_still_checks_the_library_against_its_manifest(src, settled, caplog):
+    caplog.set_level(logging.INFO, logger="cam_jit")
+    spec = make_spec(src, "tiny")
+    first = jit.load_spec(spec)
+    data = bytearray(first.library.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    replace_file(first.library, bytes(data))
+    again = jit.load_spec(spec)
+    assert again.built and "sha256" in caplog.text and jit.verify_entry(again.entry)[1] is None
+
+
+def test_clean_removes_the_memos(src, settled):
+    jit.load_spec(make_spec(src, "tiny"))
+    assert memos("test-tiny")
+    jit.clean("test-tiny")
+    assert memos("test-tiny") == []

@@ -12,7 +12,7 @@ import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from cam_jit.jit.errors import JitError
 from cam_jit.jit.spec import BuildSpec
@@ -36,13 +36,27 @@ def cpu_spec() -> BuildSpec:
     """Spec of the CPU backend: every ``*.cpp`` (compiled) and ``*.h`` (hashed) under ``cpu/``."""
     root = kernels_dir()
     cpu = root / "cpu"
-    sources = tuple(sorted(cpu.rglob("*.cpp")))
+    sources, headers = tree_files(cpu, ".cpp", ".h")
     if not sources:
         raise JitError(f"no C++ sources (*.cpp) in {cpu}: this cam_jit installation is incomplete "
                        "(reinstall it, or run from a complete checkout)")
     return BuildSpec(backend="cpu", name="cam_jit_cpu", root=root, sources=sources,
-                     headers=tuple(sorted(cpu.rglob("*.h"))), include_dirs=(cpu,),
-                     cflags=CPU_CFLAGS, ldflags=CPU_LDFLAGS)
+                     headers=headers, include_dirs=(cpu,), cflags=CPU_CFLAGS, ldflags=CPU_LDFLAGS)
+
+
+def tree_files(folder: Path, *suffixes: str) -> Tuple[Tuple[Path, ...], ...]:
+    """Per suffix, the sorted files under ``folder`` (recursively, not into symlinked
+    directories) whose names end with it: ``sorted(folder.rglob("*" + suffix))`` in one walk
+    and without pathlib's parsing per file, several times faster (this runs on every warm load)."""
+    found: Dict[str, List[str]] = {suffix: [] for suffix in suffixes}
+    for directory, _, names in os.walk(folder):
+        for name in names:
+            for suffix in suffixes:
+                if name.endswith(suffix):
+                    found[suffix].append(os.path.join(directory, name))
+    # Path order is the order of the lists of components, not of the strings
+    return tuple(tuple(Path(p) for p in sorted(found[suffix], key=lambda p: p.split(os.sep)))
+                 for suffix in suffixes)
 
 
 def _npu_unavailable() -> Optional[str]:

@@ -3,19 +3,21 @@
 Cache layout (``<cache>`` = :func:`cam_jit.jit.env.cache_dir`)::
 
     <cache>/compilers/<identity>.json           memo of `<compiler> --version` (toolchain.py)
+    <cache>/<backend>/sources-<place>-<state>   memo of the content key of the sources (memo.py)
     <cache>/<backend>/<content key>/
         <compiler key>/                         a published entry: the library + manifest.json
         <compiler key>.lock                     flock of that entry (kept, never deleted)
         <compiler key>.build.log                full output of the last failed build
         .tmp-<compiler key>-<pid>-<random>/     a build in progress (or left by a killed one)
 
-The warm path takes no lock and starts no subprocess: it hashes the sources, finds the compiler
-with ``stat`` calls, reads the memo and the manifest, checks the library's size and sha256 and
-dlopens it, so it works on a read-only cache without compiler or ninja. A build runs under the
-entry's flock (released by the kernel if the holder dies), in a fresh temp dir next to the entry,
-and becomes visible through one atomic ``os.rename`` of that dir: a killed build leaves only a
-temp dir, which the next builder removes under the lock. A corrupted entry (size or sha256 not as
-in its manifest) is logged and rebuilt.
+The warm path takes no lock and starts no subprocess: it finds the content key from the sources
+memo (``stat`` calls; the sources are hashed only when they changed, :mod:`cam_jit.jit.memo`),
+finds the compiler with ``stat`` calls, reads its version memo and the manifest, checks the
+library's size and sha256 and dlopens it, so it works on a read-only cache without compiler or
+ninja. A build runs under the entry's flock (released by the kernel if the holder dies), in a
+fresh temp dir next to the entry, and becomes visible through one atomic ``os.rename`` of that
+dir: a killed build leaves only a temp dir, which the next builder removes under the lock. A
+corrupted entry (size or sha256 not as in its manifest) is logged and rebuilt.
 
 Two consequences worth knowing: the building process dlopens the library from the temp dir (that
 is cpp_extension's load check), so its ``torch.ops.loaded_libraries`` names the temp path; and a
@@ -35,12 +37,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from cam_jit.jit import env, log, reaper, toolchain, trust
+from cam_jit.jit import env, log, memo, reaper, toolchain, trust
 from cam_jit.jit.backends import backend_spec, default_backend
 from cam_jit.jit.errors import BuildError, CacheMissError, JitError, ToolchainError
 from cam_jit.jit.progress import BuildProgress
 from cam_jit.jit.spec import (CACHE_FORMAT, BuildSpec, compiler_inputs, compiler_key,
-                              content_inputs, digest, file_digests)
+                              declared_inputs, digest, file_digests)
 
 MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp-"
@@ -93,8 +95,11 @@ def load_spec(spec: BuildSpec) -> LoadedLibrary:
     compiler = found.compiler
     version = found.version or toolchain.compiler_version(compiler, found.root, probe=True)
     entry = found.content_dir / compiler_key(compiler.path, version)
-    return _build_locked(spec, entry, found.inputs, compiler_inputs(compiler.path, version),
-                         found.ninja)
+    loaded = _build_locked(spec, entry, found.inputs, compiler_inputs(compiler.path, version),
+                           found.ninja)
+    if found.sources_memo is not None:
+        memo.record(found.root, spec.backend, found.sources_memo, found.content_dir.name)
+    return loaded
 
 
 def _rebuilder(spec: BuildSpec, found: "_Located"):
@@ -133,16 +138,39 @@ class _Located:
     manifest: Optional[Dict[str, Any]] = None
     blocker: Optional[str] = None  # why this process cannot build, if it cannot
     ninja: Optional[str] = None
+    sources_memo: Optional[str] = None  # the memo to record once the content key proves usable
 
 
 def _locate(spec: BuildSpec) -> _Located:
     """The warm path: the entry of this exact compiler if it verifies; otherwise, when this
     process cannot build (JIT disabled, no compiler, no ninja), the newest verified entry of any
-    compiler under the content key. Never runs a subprocess nor takes a lock."""
+    compiler under the content key. Never runs a subprocess nor takes a lock. The content key
+    comes from the sources memo (:mod:`cam_jit.jit.memo`) when the files are as they were last
+    hashed, else from hashing them."""
     root = env.cache_dir()
-    inputs = content_inputs(spec)
+    declared = declared_inputs(spec)
+    sources_memo, settled = memo.fingerprint(spec, declared)
     compiler = toolchain.find_compiler()
     version = toolchain.compiler_version(compiler, root, probe=False) if compiler else None
+    if version is not None:
+        content_key = memo.lookup(root, spec.backend, sources_memo)
+        entry = None if content_key is None else \
+            root / spec.backend / content_key / compiler_key(compiler.path, version)
+        manifest = None if entry is None else verify_entry(entry)[0]
+        if manifest is not None and memo.agrees(manifest, content_key, spec, declared):
+            return _Located(root, manifest["inputs"]["content"], entry.parent, compiler, version, [],
+                            entry, manifest)
+    found = _search(spec, root, {**declared, **file_digests(spec)}, compiler, version)
+    if settled:
+        found.sources_memo = sources_memo
+        if found.entry is not None:
+            memo.record(root, spec.backend, sources_memo, found.content_dir.name)
+    return found
+
+
+def _search(spec: BuildSpec, root: Path, inputs: Dict[str, Any],
+            compiler: Optional[toolchain.Compiler], version: Optional[str]) -> _Located:
+    """:func:`_locate` with the content inputs computed (files hashed)."""
     found = _Located(root, inputs, root / spec.backend / digest(inputs), compiler, version, [])
     if version is not None:
         entry = found.content_dir / compiler_key(compiler.path, version)
@@ -463,6 +491,7 @@ def clean(backend: Optional[str] = None) -> Tuple[List[Path], List[Tuple[Path, s
             skipped.append((entry, f"cannot remove it: {e}"))
         finally:
             lock.release()
+    memo.forget(root, backend)
     if backend is None:
         shutil.rmtree(root / "compilers", ignore_errors=True)
     return removed, skipped

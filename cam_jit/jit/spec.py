@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import importlib.machinery
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,9 @@ class BuildSpec:
 
     def relative(self, path: Path) -> str:
         """``path`` named relative to ``root`` (the name that enters the key)."""
+        text, root = str(path), str(self.root)
+        if os.sep == "/" and text.startswith(root + "/"):  # the common case, without pathlib's parsing
+            return text[len(root) + 1:]
         return path.relative_to(self.root).as_posix()
 
 
@@ -56,7 +60,7 @@ def environment_facts() -> Dict[str, Any]:
     from cam_jit import _version
 
     return {
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),  # a plain str: TorchVersion parses itself in every comparison
         "torch_git": torch.version.git_version,
         "cxx11_abi": bool(torch._C._GLIBCXX_USE_CXX11_ABI),
         "python_abi": importlib.machinery.EXTENSION_SUFFIXES[0],
@@ -73,19 +77,23 @@ def file_digests(spec: BuildSpec) -> Dict[str, Any]:
     return {"sources": digests(spec.sources), "headers": digests(spec.headers)}
 
 
-def content_inputs(spec: BuildSpec, facts: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
-    """Everything the content key hashes, as a JSON-able dict (recorded in each manifest)."""
+def declared_inputs(spec: BuildSpec, facts: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
+    """Everything the content key hashes but the files' bytes (cheap: no file is read)."""
     return {
         "format": CACHE_FORMAT,
         "backend": spec.backend,
         "name": spec.name,
-        **file_digests(spec),
         "include_dirs": [spec.relative(p) for p in spec.include_dirs],
         "cflags": list(spec.cflags),
         "ldflags": list(spec.ldflags),
         "extra": {k: str(v) for k, v in sorted(spec.extra_key.items())},
         **(environment_facts() if facts is None else dict(facts)),
     }
+
+
+def content_inputs(spec: BuildSpec, facts: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
+    """Everything the content key hashes, as a JSON-able dict (recorded in each manifest)."""
+    return {**declared_inputs(spec, facts), **file_digests(spec)}
 
 
 def digest(inputs: Mapping[str, Any]) -> str:
