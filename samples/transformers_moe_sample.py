@@ -94,6 +94,7 @@ def rank_main(rank, job):
                                         ep_group=dist.group.WORLD if world > 1 else None)
     for i in mine:
         results[i]["quantized"] = logits_and_tokens(model, prompt(args, i), args.new_tokens)
+    results["block"] = repr(model.model.layers[0].mlp)
     return results
 
 
@@ -125,6 +126,7 @@ def main(argv=None):
     cam_jit.load()  # build (or load) the kernels once, before the ranks start
     single = run_on_ranks(rank_main, (args, 1, True), 1)[0]
     spread = run_on_ranks(rank_main, (args, args.ranks, False), args.ranks)
+    print(f"rank 0 of {args.ranks}, model.model.layers[0].mlp = {spread[0]['block']}")
     passed, top1s = True, []
     for i in range(args.ranks):
         f = float_vs_quantized(single[i]["float"], single[i]["quantized"])

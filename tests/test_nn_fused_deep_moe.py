@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import cam_jit
 from cam_jit import reference
-from cam_jit.nn import FusedDeepMoE, softmax_topk
+from cam_jit.nn import FusedDeepMoE, sigmoid_group_topk, softmax_topk
 from dist_harness import free_port
 
 E, H, I, IS, K, T = 8, 64, 32, 48, 2, 12
@@ -100,6 +100,39 @@ def test_routing_matches_softmax_topk_semantics():
     assert torch.allclose(weights.double(), probs.topk(3).values / probs.topk(3).values.sum(-1, keepdim=True))
     _, raw = softmax_topk(logits, 3, norm_topk_prob=False)
     assert torch.allclose(raw.double(), probs.topk(3).values)
+
+
+def test_sigmoid_group_routing_semantics():
+    """DeepSeek-V3 routing: experts only from the topk_group best groups (ranked by the sum of
+    their two best biased scores), chosen by biased score, weighted by unbiased sigmoid scores."""
+    _, logits = tokens(n=64)
+    bias = torch.linspace(-0.3, 0.3, E)
+    ids, weights = sigmoid_group_topk(logits, 2, True, correction_bias=bias, n_group=4, topk_group=2,
+                                      routed_scaling_factor=2.5)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    scores = torch.sigmoid(logits)
+    choice = scores + bias
+    groups = choice.view(-1, 4, 2).sum(-1)  # two experts per group: their two best are both
+    for t in range(logits.shape[0]):
+        best_groups = set(groups[t].topk(2).indices.tolist())
+        allowed = [e for e in range(E) if e // 2 in best_groups]
+        want = sorted(allowed, key=lambda e: -float(choice[t, e]))[:2]
+        assert sorted(ids[t].tolist()) == sorted(want)
+        chosen = scores[t, ids[t].long()]
+        assert torch.allclose(weights[t], chosen / chosen.sum() * 2.5)
+
+
+def test_module_sigmoid_group_routing():
+    module = build("w8a8", routing="sigmoid_group", n_group=4, topk_group=2, routed_scaling_factor=2.5)
+    with torch.no_grad():
+        module.e_score_correction_bias.copy_(torch.linspace(-0.3, 0.3, E))
+    x, logits = tokens()
+    ids, weights = sigmoid_group_topk(logits, K, True, correction_bias=module.e_score_correction_bias, n_group=4,
+                                      topk_group=2, routed_scaling_factor=2.5)
+    with torch.no_grad():
+        assert torch.equal(module(x, logits), module(x, topk_ids=ids, topk_weights=weights))
+    assert torch.equal(module.state_dict()["e_score_correction_bias"], torch.linspace(-0.3, 0.3, E))
+    assert "sigmoid group top-k (n_group=4, topk_group=2" in repr(module)
 
 
 def test_inputs_of_any_shape_and_dtype():
@@ -194,6 +227,17 @@ def test_torch_compile_fullgraph(scheme):
     assert torch.equal(parts[0] + parts[1], eager)
 
 
+def test_torch_compile_dynamic_token_counts():
+    """One graph for every batch size (decode steps change it), no recompilation."""
+    torch._dynamo.reset()
+    module = build("w8a8")
+    compiled = torch.compile(module, fullgraph=True, dynamic=True)
+    with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+        for n in (5, 9, 2):
+            x, logits = tokens(seed=n, n=n)
+            assert torch.equal(compiled(x, logits), module(x, logits)), n
+
+
 def test_extra_repr_is_readable():
     text = repr(build("w4a8"))
     for part in ("hidden_size=64", "intermediate_size=32", "experts 0..7 of 8 on one rank", "top_k=2", "W4A8",
@@ -216,6 +260,10 @@ def test_from_quantized_takes_all_or_local_experts():
     (lambda: FusedDeepMoE(H, I, E, 0), ValueError, "argument 'top_k'"),
     (lambda: FusedDeepMoE(H, I, E, E + 1), ValueError, "argument 'top_k': expected <= num_experts"),
     (lambda: FusedDeepMoE(H, I, E, K, scheme="fp8"), ValueError, "argument 'scheme'"),
+    (lambda: FusedDeepMoE(H, I, E, K, routing="hash"), ValueError, "argument 'routing'"),
+    (lambda: FusedDeepMoE(H, I, E, K, routing="sigmoid_group", n_group=3), ValueError, "argument 'n_group'"),
+    (lambda: FusedDeepMoE(H, I, E, 4, routing="sigmoid_group", n_group=4, topk_group=1), ValueError,
+     "top_k <= topk_group"),
     (lambda: FusedDeepMoE(H, I, E, K, ep_group="world"), TypeError, "argument 'ep_group'"),
     (lambda: FusedDeepMoE(H, I, E, K, activation_dtype=torch.float32), TypeError, "'activation_dtype'"),
     (lambda: FusedDeepMoE(60, I, E, K, scheme="w4a8"), ValueError, "multiples of 8 under W4A8"),

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import cam_jit
-from cam_jit.nn import TransformersMoEBlock, softmax_topk
+from cam_jit.nn import FusedDeepMoE, TransformersMoEBlock, softmax_topk
 
 transformers = pytest.importorskip("transformers", reason="the 'test' extra installs transformers")
 
@@ -55,6 +55,21 @@ def test_module_routing_is_qwen2_moe_routing():
             logits, weights, ids = gate(hidden_states().view(-1, 64))
         got_ids, got_weights = softmax_topk(logits, gate.top_k, norm)
         assert torch.equal(got_ids.long(), ids) and torch.equal(got_weights, weights)
+
+
+def test_module_routing_is_deepseek_v3_routing():
+    """routing="sigmoid_group" gives DeepSeek-V3's router's ids and weights, bit for bit."""
+    model = deepseek_v3()
+    config, gate = model.config, model.model.layers[1].mlp.gate
+    module = FusedDeepMoE(64, 32, 8, config.num_experts_per_tok, routing="sigmoid_group", n_group=config.n_group,
+                          topk_group=config.topk_group, routed_scaling_factor=config.routed_scaling_factor,
+                          norm_topk_prob=config.norm_topk_prob)
+    with torch.no_grad():
+        torch.nn.init.normal_(gate.weight, std=0.5, generator=torch.Generator().manual_seed(3))
+        module.e_score_correction_bias.copy_(gate.e_score_correction_bias)
+        logits, weights, ids = gate(hidden_states().view(-1, 64))
+    got_ids, got_weights = module.route(logits)
+    assert torch.equal(got_ids.long(), ids) and torch.equal(got_weights, weights)
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])

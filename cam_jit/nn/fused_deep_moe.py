@@ -10,32 +10,16 @@ from torch import nn
 from cam_jit.ops import _checks as check
 from cam_jit.ops.fused_deep_moe import fused_deep_moe
 from cam_jit.ops.groups import group_ep_name
+from cam_jit.nn.routing import ROUTINGS, sigmoid_group_topk, softmax_topk
 from cam_jit.ops.weights import INT4_PER_WORD
 from cam_jit.quantize import SCHEMES, FloatWeights, QuantizedExperts, quantize_experts
 from cam_jit.zero_buffer import FusedDeepMoeBuffer
 
-__all__ = ["FusedDeepMoE", "softmax_topk"]
+__all__ = ["FusedDeepMoE"]
 
 OP = "FusedDeepMoE"
 _ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
 _ROUTED = ("gmm1_weight", "gmm1_weight_scale", "gmm2_weight", "gmm2_weight_scale", "gmm1_bias", "gmm2_bias")
-
-
-def softmax_topk(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Softmax-then-top-k routing (Qwen2-MoE / Qwen3-MoE; Mixtral's top-k-then-softmax is the same
-    with norm_topk_prob=True): probabilities = softmax(float32(logits)), the top_k largest
-    (torch.topk order), renormalised to sum 1 when norm_topk_prob.
-
-    Args:
-        router_logits: [T, E] float.
-    Returns:
-        (topk_ids [T, top_k] int32, topk_weights [T, top_k] float32).
-    """
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return ids.to(torch.int32), weights
 
 
 class FusedDeepMoE(nn.Module):
@@ -63,8 +47,12 @@ class FusedDeepMoE(nn.Module):
         scheme: "w8a8" or "w4a8".
         ep_group: the torch.distributed ProcessGroup of the EP ranks, or None for one rank
             (no process group needed).
-        norm_topk_prob: router_logits routing renormalises the top-k probabilities (see
-            `softmax_topk`; the model family's flag).
+        routing: how `forward(hidden_states, router_logits)` picks experts: "softmax" (softmax,
+            top-k: Qwen2-MoE, Qwen3-MoE, Mixtral; `cam_jit.nn.softmax_topk`) or "sigmoid_group"
+            (DeepSeek-V3: sigmoid scores, correction bias, group-limited top-k;
+            `cam_jit.nn.sigmoid_group_topk`, whose bias is the buffer `e_score_correction_bias`).
+        norm_topk_prob: renormalise the top-k weights (the model family's flag).
+        n_group, topk_group, routed_scaling_factor: "sigmoid_group" routing's parameters.
         activation_dtype: bfloat16 or float16: the dtype tokens enter the op in (inputs of other
             dtypes are cast to it, and the output back to the input's dtype).
         max_tokens_per_rank: the largest batch any rank passes, when batches differ between ranks
@@ -78,7 +66,9 @@ class FusedDeepMoE(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
                  shared_intermediate_size: int = 0, scheme: str = "w8a8",
-                 ep_group: Optional["dist.ProcessGroup"] = None, norm_topk_prob: bool = True,
+                 ep_group: Optional["dist.ProcessGroup"] = None, routing: str = "softmax",
+                 norm_topk_prob: bool = True, n_group: int = 1, topk_group: int = 1,
+                 routed_scaling_factor: float = 1.0,
                  activation_dtype: torch.dtype = torch.bfloat16, max_tokens_per_rank: Optional[int] = None,
                  transport: Optional[object] = None, device: Union[str, torch.device, None] = None):
         super().__init__()
@@ -90,6 +80,14 @@ class FusedDeepMoE(nn.Module):
                 check.fail(OP, arg, "a positive int" if arg != "shared_intermediate_size" else ">= 0", value)
         if top_k > num_experts:
             check.fail(OP, "top_k", f"<= num_experts ({num_experts})", top_k)
+        if routing not in ROUTINGS:
+            check.fail(OP, "routing", " or ".join(repr(r) for r in ROUTINGS), repr(routing))
+        for arg, value in (("n_group", n_group), ("topk_group", topk_group)):
+            check.integer(OP, arg, value)
+        if n_group < 1 or num_experts % n_group or not 1 <= topk_group <= n_group or \
+                top_k > topk_group * (num_experts // n_group):
+            check.fail(OP, "n_group", f"n_group dividing num_experts ({num_experts}), 1 <= topk_group <= n_group and "
+                       "top_k <= topk_group * num_experts / n_group", f"n_group {n_group}, topk_group {topk_group}")
         if scheme not in SCHEMES:
             check.fail(OP, "scheme", " or ".join(repr(s) for s in SCHEMES), repr(scheme))
         if activation_dtype not in _ACTIVATION_DTYPES:
@@ -121,14 +119,18 @@ class FusedDeepMoE(nn.Module):
                 check.fail(OP, "transport", "None under W4A8 (FusedDeepMoeBuffer is W8A8 only)", "a FusedDeepMoeBuffer")
         self.hidden_size, self.intermediate_size, self.num_experts, self.top_k = (
             hidden_size, intermediate_size, num_experts, top_k)
-        self.shared_intermediate_size, self.scheme, self.norm_topk_prob = (
-            shared_intermediate_size, scheme, norm_topk_prob)
+        self.shared_intermediate_size, self.scheme = shared_intermediate_size, scheme
+        self.routing, self.norm_topk_prob, self.n_group, self.topk_group, self.routed_scaling_factor = (
+            routing, norm_topk_prob, n_group, topk_group, float(routed_scaling_factor))
         self.activation_dtype, self.max_tokens_per_rank, self.transport = (
             activation_dtype, max_tokens_per_rank, transport)
         self.local_experts = num_experts // self.ep_size
         self.first_expert = self.ep_rank * self.local_experts
         for name, shape, dtype in self._buffer_specs():
             self.register_buffer(name, torch.zeros(shape, dtype=dtype, device=device))
+        if routing == "sigmoid_group":
+            self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32,
+                                                                        device=device))
 
     # -- construction ----------------------------------------------------------------------------
     def _buffer_specs(self):
@@ -175,6 +177,8 @@ class FusedDeepMoE(nn.Module):
             sources.update({"share_" + name: t for name, t in shared.tensors().items() if t is not None})
         with torch.no_grad():
             for name, buffer in self.named_buffers(recurse=False):
+                if name == "e_score_correction_bias":
+                    continue
                 source = sources[name]
                 check.shape(OP, name, source, list(buffer.shape), "of this module's buffer")
                 check.dtype(OP, name, source, (buffer.dtype,))
@@ -253,8 +257,12 @@ class FusedDeepMoE(nn.Module):
 
     # -- forward -----------------------------------------------------------------------------------
     def route(self, router_logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """`softmax_topk` with this module's top_k and norm_topk_prob: ([T, K] int32, float32)."""
-        return softmax_topk(router_logits, self.top_k, self.norm_topk_prob)
+        """This module's routing of [T, E] logits: ([T, K] int32 ids, [T, K] float32 weights)."""
+        if self.routing == "softmax":
+            return softmax_topk(router_logits, self.top_k, self.norm_topk_prob)
+        return sigmoid_group_topk(router_logits, self.top_k, self.norm_topk_prob,
+                                  correction_bias=self.e_score_correction_bias, n_group=self.n_group,
+                                  topk_group=self.topk_group, routed_scaling_factor=self.routed_scaling_factor)
 
     def forward(self, hidden_states: torch.Tensor, router_logits: Optional[torch.Tensor] = None, *,
                 topk_ids: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
@@ -320,6 +328,11 @@ class FusedDeepMoE(nn.Module):
         transport = "collectives" if self.transport is None else "FusedDeepMoeBuffer"
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
                 f"experts {self.first_expert}..{last} of {self.num_experts} on {group}, top_k={self.top_k}, "
-                f"{self.scheme.upper()}, {shared}, router_logits routing: softmax top-k "
-                f"(norm_topk_prob={self.norm_topk_prob}), "
+                f"{self.scheme.upper()}, {shared}, {self._routing_repr()}, "
                 f"activation_dtype={check.dtype_name(self.activation_dtype)}, transport={transport}")
+
+    def _routing_repr(self) -> str:
+        if self.routing == "softmax":
+            return f"router_logits routing: softmax top-k (norm_topk_prob={self.norm_topk_prob})"
+        return (f"router_logits routing: sigmoid group top-k (n_group={self.n_group}, topk_group={self.topk_group}, "
+                f"norm_topk_prob={self.norm_topk_prob}, routed_scaling_factor={self.routed_scaling_factor:g})")
