@@ -200,6 +200,29 @@ def test_state_dict_round_trip(scheme):
             assert torch.equal(t, fresh.state_dict()[name]), name
 
 
+@pytest.mark.parametrize("scheme", ["w8a8", "w4a8"])
+def test_weights_are_prepacked_at_load(scheme):
+    """Loading (from_float, load_state_dict) prepacks the weights for the CPU int8 kernels, under
+    the keys the op's own calls use: a forward packs nothing more."""
+    from cam_jit.ops._kernels import cpu_kernels
+
+    if "gemm:vnni" not in cpu_kernels().kernel_variants():
+        pytest.skip("this CPU has no packed int8 kernel (AVX512-VNNI)")
+    cam_jit.clear_prepared_weights()
+    module = build(scheme)
+    weight_bytes = sum(t.numel() * t.element_size() for name, t in module.named_buffers() if name.endswith("weight"))
+    packed = cam_jit.prepared_weights_bytes()
+    assert packed >= weight_bytes
+    x, logits = tokens()
+    with torch.no_grad():
+        module(x, logits)
+    assert cam_jit.prepared_weights_bytes() == packed
+    fresh = FusedDeepMoE(H, I, E, K, shared_intermediate_size=IS, scheme=scheme)
+    cam_jit.clear_prepared_weights()
+    fresh.load_state_dict(module.state_dict())
+    assert cam_jit.prepared_weights_bytes() == packed
+
+
 def test_state_dict_of_another_layout_is_refused():
     state = build("w8a8").state_dict()
     with pytest.raises(ValueError, match="argument 'state_dict'"):

@@ -10,6 +10,7 @@ from torch import nn
 from cam_jit.ops import _checks as check
 from cam_jit.ops.fused_deep_moe import fused_deep_moe
 from cam_jit.ops.groups import group_ep_name
+from cam_jit.ops.prepared_weights import prepare_expert_weights
 from cam_jit.nn.routing import ROUTINGS, sigmoid_group_topk, softmax_topk
 from cam_jit.ops.weights import INT4_PER_WORD
 from cam_jit.quantize import SCHEMES, FloatWeights, QuantizedExperts, quantize_experts
@@ -20,6 +21,10 @@ __all__ = ["FusedDeepMoE"]
 OP = "FusedDeepMoE"
 _ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
 _ROUTED = ("gmm1_weight", "gmm1_weight_scale", "gmm2_weight", "gmm2_weight_scale", "gmm1_bias", "gmm2_bias")
+
+
+def _prepare_after_load(module: "FusedDeepMoE", _incompatible_keys) -> None:
+    module.prepare()
 
 
 class FusedDeepMoE(nn.Module):
@@ -131,6 +136,7 @@ class FusedDeepMoE(nn.Module):
         if routing == "sigmoid_group":
             self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32,
                                                                         device=device))
+        self.register_load_state_dict_post_hook(_prepare_after_load)
 
     # -- construction ----------------------------------------------------------------------------
     def _buffer_specs(self):
@@ -183,7 +189,19 @@ class FusedDeepMoE(nn.Module):
                 check.shape(OP, name, source, list(buffer.shape), "of this module's buffer")
                 check.dtype(OP, name, source, (buffer.dtype,))
                 buffer.copy_(source)
+        self.prepare()
         return self
+
+    def prepare(self) -> int:
+        """Prepacks the weights for the CPU int8 kernels now (`cam_jit.prepare_expert_weights`)
+        rather than on the first forward; done by `load_quantized` (so `from_float` /
+        `from_quantized`) and after `load_state_dict`. Returns the bytes of packed copies (0 off
+        the CPU, or where the CPU has no packed kernel)."""
+        if self.gmm1_weight.device.type != "cpu":
+            return 0
+        return prepare_expert_weights(self.gmm1_weight, self.gmm2_weight,
+                                      share_gmm1_weight=getattr(self, "share_gmm1_weight", None),
+                                      share_gmm2_weight=getattr(self, "share_gmm2_weight", None))
 
     def _check_quantized(self, arg: str, q: object) -> None:
         if not isinstance(q, QuantizedExperts):
