@@ -16,7 +16,7 @@ An all-zero column gets scale 0 and q = 0 (exact). The arithmetic is float32; sc
 **Error bound** (checked by the tests): every weight satisfies, in exact arithmetic on the stored
 values, |W - q * scale| <= scale * (1/2 + Q * 2^-23) (half a step, plus the float32 rounding of
 W / scale), i.e. about amax_j / 254 (0.39 % of the column's largest magnitude) under W8A8 and
-amax_j / 14 (7.1 %) under W4A8. This is the weight
+amax_j / 14 (7.1 %) under W4A8 (docs/semantics.md §1.16). This is the weight
 error only: `fused_deep_moe` also quantizes activations per token to int8 (and requantizes the
 SwiGLU output), which adds an error of the same order as W8A8's (see cam_jit.nn.FusedDeepMoE).
 """

@@ -91,7 +91,7 @@ def rank_main(rank, job):
         for i in mine:
             results[i]["float"] = logits_and_tokens(model, prompt(args, i), args.new_tokens)
     cam_jit.nn.replace_transformers_moe(model, scheme=args.scheme,
-                                        ep_group=dist.group.WORLD if world > 1 else None)
+                                        group_ep=dist.group.WORLD if world > 1 else None)
     for i in mine:
         results[i]["quantized"] = logits_and_tokens(model, prompt(args, i), args.new_tokens)
     results["block"] = repr(model.model.layers[0].mlp)

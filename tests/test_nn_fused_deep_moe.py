@@ -157,7 +157,7 @@ def _rank_outputs(scheme, tokens_per_rank, transport_port=None):
         buffer = cam_jit.FusedDeepMoeBuffer()
         buffer.init(rank, world, 64 << 20, f"tcp://127.0.0.1:{transport_port}")
     try:
-        module = build(scheme, ep_group=dist.group.WORLD, transport=buffer)
+        module = build(scheme, group_ep=dist.group.WORLD, transport=buffer)
         with torch.no_grad():
             return module(x[mine], logits[mine]), module.first_expert, module.local_experts
     finally:
@@ -287,7 +287,7 @@ def test_from_quantized_takes_all_or_local_experts():
     (lambda: FusedDeepMoE(H, I, E, K, routing="sigmoid_group", n_group=3), ValueError, "argument 'n_group'"),
     (lambda: FusedDeepMoE(H, I, E, 4, routing="sigmoid_group", n_group=4, topk_group=1), ValueError,
      "top_k <= topk_group"),
-    (lambda: FusedDeepMoE(H, I, E, K, ep_group="world"), TypeError, "argument 'ep_group'"),
+    (lambda: FusedDeepMoE(H, I, E, K, group_ep="world"), TypeError, "argument 'group_ep'"),
     (lambda: FusedDeepMoE(H, I, E, K, activation_dtype=torch.float32), TypeError, "'activation_dtype'"),
     (lambda: FusedDeepMoE(60, I, E, K, scheme="w4a8"), ValueError, "multiples of 8 under W4A8"),
     (lambda: FusedDeepMoE(H, I, E, K, scheme="w4a8", transport=cam_jit.FusedDeepMoeBuffer()), ValueError,

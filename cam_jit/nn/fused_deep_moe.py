@@ -33,7 +33,7 @@ class FusedDeepMoE(nn.Module):
     `cam_jit.fused_deep_moe`: tokens are quantized to int8 per token, sent to the ranks owning
     their experts, run through the int8 (W8A8) or int4 (W4A8) experts and combined back.
 
-    Every rank of `ep_group` builds one with the same arguments and holds E / R of the
+    Every rank of `group_ep` builds one with the same arguments and holds E / R of the
     `num_experts` experts (global expert g on rank g // (E / R)), plus the whole shared expert;
     every rank must call `forward` the same number of times (it is a collective). The weights are
     buffers (in `state_dict`), zero until loaded: build with `from_float` / `from_quantized`, or
@@ -50,7 +50,7 @@ class FusedDeepMoE(nn.Module):
         top_k: experts per token.
         shared_intermediate_size: Is of the shared expert; 0 for none.
         scheme: "w8a8" or "w4a8".
-        ep_group: the torch.distributed ProcessGroup of the EP ranks, or None for one rank
+        group_ep: the torch.distributed ProcessGroup of the EP ranks, or None for one rank
             (no process group needed).
         routing: how `forward(hidden_states, router_logits)` picks experts: "softmax" (softmax,
             top-k: Qwen2-MoE, Qwen3-MoE, Mixtral; `cam_jit.nn.softmax_topk`) or "sigmoid_group"
@@ -71,7 +71,7 @@ class FusedDeepMoE(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
                  shared_intermediate_size: int = 0, scheme: str = "w8a8",
-                 ep_group: Optional["dist.ProcessGroup"] = None, routing: str = "softmax",
+                 group_ep: Optional["dist.ProcessGroup"] = None, routing: str = "softmax",
                  norm_topk_prob: bool = True, n_group: int = 1, topk_group: int = 1,
                  routed_scaling_factor: float = 1.0,
                  activation_dtype: torch.dtype = torch.bfloat16, max_tokens_per_rank: Optional[int] = None,
@@ -97,17 +97,17 @@ class FusedDeepMoE(nn.Module):
             check.fail(OP, "scheme", " or ".join(repr(s) for s in SCHEMES), repr(scheme))
         if activation_dtype not in _ACTIVATION_DTYPES:
             check.fail(OP, "activation_dtype", "torch.bfloat16 or torch.float16", activation_dtype, TypeError)
-        if ep_group is None:
-            self.ep_size, self.ep_rank, self._group_ep = 1, 0, ""
-        elif dist.is_available() and isinstance(ep_group, dist.ProcessGroup):
-            self.ep_size, self.ep_rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
-            if self.ep_rank < 0:
-                check.fail(OP, "ep_group", "a process group this process belongs to", "a group without it")
-            self._group_ep = group_ep_name(OP, ep_group)
+        if group_ep is None:
+            self.ep_rank_size, self.ep_rank_id, self._group_ep_name = 1, 0, ""
+        elif dist.is_available() and isinstance(group_ep, dist.ProcessGroup):
+            self.ep_rank_size, self.ep_rank_id = dist.get_world_size(group_ep), dist.get_rank(group_ep)
+            if self.ep_rank_id < 0:
+                check.fail(OP, "group_ep", "a process group this process belongs to", "a group without it")
+            self._group_ep_name = group_ep_name(OP, group_ep)
         else:
-            check.fail(OP, "ep_group", "a torch.distributed.ProcessGroup or None", type(ep_group).__name__, TypeError)
-        if num_experts % self.ep_size:
-            check.fail(OP, "num_experts", f"a multiple of the EP group's size ({self.ep_size})", num_experts)
+            check.fail(OP, "group_ep", "a torch.distributed.ProcessGroup or None", type(group_ep).__name__, TypeError)
+        if num_experts % self.ep_rank_size:
+            check.fail(OP, "num_experts", f"a multiple of the EP group's size ({self.ep_rank_size})", num_experts)
         w4a8 = scheme == "w4a8"
         if w4a8 and (hidden_size % INT4_PER_WORD or any(
                 (2 * i) % INT4_PER_WORD for i in (intermediate_size, shared_intermediate_size))):
@@ -129,8 +129,8 @@ class FusedDeepMoE(nn.Module):
             routing, norm_topk_prob, n_group, topk_group, float(routed_scaling_factor))
         self.activation_dtype, self.max_tokens_per_rank, self.transport = (
             activation_dtype, max_tokens_per_rank, transport)
-        self.local_experts = num_experts // self.ep_size
-        self.first_expert = self.ep_rank * self.local_experts
+        self.local_experts = num_experts // self.ep_rank_size
+        self.first_expert = self.ep_rank_id * self.local_experts
         for name, shape, dtype in self._buffer_specs():
             self.register_buffer(name, torch.zeros(shape, dtype=dtype, device=device))
         if routing == "sigmoid_group":
@@ -147,13 +147,15 @@ class FusedDeepMoE(nn.Module):
         h, f32 = self.hidden_size, torch.float32
 
         def expert(inter, lead):
-            specs = [("gmm1_weight", (*lead, h, 2 * inter // pack), wdt), ("gmm1_weight_scale", (*lead, 2 * inter), f32),
+            specs = [("gmm1_weight", (*lead, h, 2 * inter // pack), wdt),
+                     ("gmm1_weight_scale", (*lead, 2 * inter), f32),
                      ("gmm2_weight", (*lead, inter, h // pack), wdt), ("gmm2_weight_scale", (*lead, h), f32)]
             return specs + ([("gmm1_bias", (*lead, 2 * inter), f32), ("gmm2_bias", (*lead, h), f32)] if w4a8 else [])
 
         specs = expert(self.intermediate_size, (self.local_experts,))
         if self.shared_intermediate_size:
-            specs += [("share_" + name, shape, dtype) for name, shape, dtype in expert(self.shared_intermediate_size, ())]
+            shared = expert(self.shared_intermediate_size, ())
+            specs += [("share_" + name, shape, dtype) for name, shape, dtype in shared]
         return specs
 
     def load_quantized(self, experts: QuantizedExperts, shared: Optional[QuantizedExperts] = None) -> "FusedDeepMoE":
@@ -174,8 +176,9 @@ class FusedDeepMoE(nn.Module):
                        experts.num_experts)
         sources = {name: t for name, t in experts.tensors().items() if t is not None}
         if bool(self.shared_intermediate_size) != (shared is not None):
-            check.fail(OP, "shared", "a QuantizedExperts (shared_intermediate_size > 0)" if self.shared_intermediate_size
-                       else "None (shared_intermediate_size is 0)", type(shared).__name__)
+            wanted = "a QuantizedExperts (shared_intermediate_size > 0)" if self.shared_intermediate_size \
+                else "None (shared_intermediate_size is 0)"
+            check.fail(OP, "shared", wanted, type(shared).__name__)
         if shared is not None:
             self._check_quantized("shared", shared)
             if shared.num_experts is not None:
@@ -221,7 +224,7 @@ class FusedDeepMoE(nn.Module):
             experts: QuantizedExperts of all experts, or of this rank's (then give num_experts).
             top_k: experts per token. shared: the quantized shared expert, or None.
             num_experts: E in total (default: experts.num_experts).
-            kwargs: the constructor's keyword arguments (ep_group, norm_topk_prob, ...).
+            kwargs: the constructor's keyword arguments (group_ep, norm_topk_prob, ...).
         """
         if not isinstance(experts, QuantizedExperts) or experts.num_experts is None:
             check.fail(OP, "experts", "a QuantizedExperts of stacked experts", type(experts).__name__, TypeError)
@@ -249,9 +252,9 @@ class FusedDeepMoE(nn.Module):
                 or None.
             scheme: "w8a8" or "w4a8". kwargs: the constructor's keyword arguments.
         """
-        ep_group = kwargs.get("ep_group")
-        ranks = 1 if ep_group is None else dist.get_world_size(ep_group)
-        rank = 0 if ep_group is None else dist.get_rank(ep_group)
+        group_ep = kwargs.get("group_ep")
+        ranks = 1 if group_ep is None else dist.get_world_size(group_ep)
+        rank = 0 if group_ep is None else dist.get_rank(group_ep)
         experts = len(gate_proj) if isinstance(gate_proj, (list, tuple)) else gate_proj.shape[0]
         if experts % ranks:
             check.fail(OP, "gate_proj", f"a number of experts that is a multiple of the EP group's size ({ranks})",
@@ -325,24 +328,25 @@ class FusedDeepMoE(nn.Module):
         buffers = dict(self.named_buffers(recurse=False))
         routed = {name: buffers.get(name) for name in _ROUTED}
         shared = {"share_" + name: buffers.get("share_" + name) for name in _ROUTED}
-        global_bs = 0 if self.max_tokens_per_rank is None else self.max_tokens_per_rank * self.ep_size
+        global_bs = 0 if self.max_tokens_per_rank is None else self.max_tokens_per_rank * self.ep_rank_size
         if self.transport is not None:
             out = self.transport.zb_fused_deep_moe(
                 x, ids, routed["gmm1_weight"], routed["gmm1_weight_scale"], routed["gmm2_weight"],
                 routed["gmm2_weight_scale"], weights, shared["share_gmm1_weight"], shared["share_gmm1_weight_scale"],
-                shared["share_gmm2_weight"], shared["share_gmm2_weight_scale"], None, None, None, "", self.ep_size,
-                self.ep_rank, self.num_experts, 0, global_bs)
+                shared["share_gmm2_weight"], shared["share_gmm2_weight_scale"], None, None, None, "", self.ep_rank_size,
+                self.ep_rank_id, self.num_experts, 0, global_bs)
         else:
-            out = fused_deep_moe(x, ids, expert_scales=weights, **routed, **shared, group_ep=self._group_ep,
-                                 ep_rank_size=self.ep_size, ep_rank_id=self.ep_rank, moe_expert_num=self.num_experts,
-                                 global_bs=global_bs)
+            out = fused_deep_moe(x, ids, expert_scales=weights, **routed, **shared, group_ep=self._group_ep_name,
+                                 ep_rank_size=self.ep_rank_size, ep_rank_id=self.ep_rank_id,
+                                 moe_expert_num=self.num_experts, global_bs=global_bs)
         return out[0], out[1]
 
     def extra_repr(self) -> str:
         last = self.first_expert + self.local_experts - 1
         shared = f"shared_intermediate_size={self.shared_intermediate_size}" if self.shared_intermediate_size \
             else "no shared expert"
-        group = "one rank" if self.ep_size == 1 else f"EP rank {self.ep_rank} of {self.ep_size} ({self._group_ep!r})"
+        group = "one rank" if self.ep_rank_size == 1 else \
+            f"EP rank {self.ep_rank_id} of {self.ep_rank_size} ({self._group_ep_name!r})"
         transport = "collectives" if self.transport is None else "FusedDeepMoeBuffer"
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
                 f"experts {self.first_expert}..{last} of {self.num_experts} on {group}, top_k={self.top_k}, "

@@ -38,10 +38,10 @@ class TransformersMoEBlock(nn.Module):
         block: the transformers block (Qwen2MoeSparseMoeBlock, Qwen3MoeSparseMoeBlock,
             MixtralSparseMoeBlock, DeepseekV3MoE): its `gate` router, `experts` (gate_up_proj
             [E, 2I, H], down_proj [E, H, I]) and optional shared expert(s) and shared-expert gate.
-        scheme, ep_group, activation_dtype, max_tokens_per_rank: as FusedDeepMoE.
+        scheme, group_ep, activation_dtype, max_tokens_per_rank: as FusedDeepMoE.
     """
 
-    def __init__(self, block: nn.Module, *, scheme: str = "w8a8", ep_group=None,
+    def __init__(self, block: nn.Module, *, scheme: str = "w8a8", group_ep=None,
                  activation_dtype: torch.dtype = torch.bfloat16, max_tokens_per_rank: Optional[int] = None):
         super().__init__()
         if not _is_moe_block(block):
@@ -65,7 +65,7 @@ class TransformersMoEBlock(nn.Module):
         self.shared_expert_gate = getattr(block, "shared_expert_gate", None)
         self.moe = FusedDeepMoE.from_float(
             gate_up[:, :inter], gate_up[:, inter:], down, block.gate.top_k, shared=shared_weights, scheme=scheme,
-            ep_group=ep_group, norm_topk_prob=bool(getattr(block.gate, "norm_topk_prob", True)),
+            group_ep=group_ep, norm_topk_prob=bool(getattr(block.gate, "norm_topk_prob", True)),
             activation_dtype=activation_dtype, max_tokens_per_rank=max_tokens_per_rank)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -85,17 +85,17 @@ class TransformersMoEBlock(nn.Module):
         return f"router: the model's {type(self.gate).__name__}{gated}"
 
 
-def replace_transformers_moe(model: nn.Module, *, scheme: str = "w8a8", ep_group=None,
+def replace_transformers_moe(model: nn.Module, *, scheme: str = "w8a8", group_ep=None,
                              activation_dtype: torch.dtype = torch.bfloat16,
                              max_tokens_per_rank: Optional[int] = None) -> List[str]:
     """Replaces, in place, every sparse MoE block of a transformers model by a
     `TransformersMoEBlock` holding this rank's quantized experts (call it on every rank of
-    `ep_group` with the same model weights). The float experts are dropped with the old blocks.
+    `group_ep` with the same model weights). The float experts are dropped with the old blocks.
 
     Args:
         model: a transformers (>= 5.24) model of a type in SUPPORTED_MODEL_TYPES, e.g.
             Qwen2MoeForCausalLM, with SiLU experts.
-        scheme: "w8a8" or "w4a8". ep_group: the EP ProcessGroup, or None for one rank.
+        scheme: "w8a8" or "w4a8". group_ep: the EP ProcessGroup, or None for one rank.
         activation_dtype, max_tokens_per_rank: as FusedDeepMoE.
 
     Returns:
@@ -115,7 +115,7 @@ def replace_transformers_moe(model: nn.Module, *, scheme: str = "w8a8", ep_group
     for name, block in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, TransformersMoEBlock(block, scheme=scheme, ep_group=ep_group,
+        setattr(parent, attr, TransformersMoEBlock(block, scheme=scheme, group_ep=group_ep,
                                                    activation_dtype=activation_dtype,
                                                    max_tokens_per_rank=max_tokens_per_rank))
     return [name for name, _ in targets]
