@@ -14,7 +14,6 @@ from cam_jit.ops.prepared_weights import prepare_expert_weights
 from cam_jit.nn.routing import ROUTINGS, sigmoid_group_topk, softmax_topk
 from cam_jit.ops.weights import INT4_PER_WORD
 from cam_jit.quantize import SCHEMES, FloatWeights, QuantizedExperts, quantize_experts
-from cam_jit.zero_buffer import FusedDeepMoeBuffer
 
 __all__ = ["FusedDeepMoE"]
 
@@ -118,6 +117,8 @@ class FusedDeepMoE(nn.Module):
             if max_tokens_per_rank < 1:
                 check.fail(OP, "max_tokens_per_rank", "a positive int or None", max_tokens_per_rank)
         if transport is not None:
+            from cam_jit.zero_buffer import FusedDeepMoeBuffer  # imported only when used
+
             if not isinstance(transport, FusedDeepMoeBuffer):
                 check.fail(OP, "transport", "None or a cam_jit.FusedDeepMoeBuffer", type(transport).__name__, TypeError)
             if w4a8:
