@@ -261,6 +261,8 @@ void AclnnCall::launch(uint64_t workspace_size, AclOpExecutor* executor) {
     }
     workspace_ptr = workspace.data_ptr();
   }
+  // Only the workspace's address travels with the launch, as in op-plugin: its memory returns to
+  // the stream-ordered caching allocator here, and work queued later on the stream runs after it.
   void* stream = current_stream(like_);
   std::shared_ptr<Handles> handles = std::move(handles_);
   handles_ = std::make_shared<Handles>();

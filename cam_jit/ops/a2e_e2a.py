@@ -362,7 +362,8 @@ def a2e(
         hidden_size: H. topk: K (>= 1). expert_rank_size: Er. atten_rank_size: Ar >= Er.
         rank: this process's rank in group_ep (must equal it).
         group_ep: the process group, or its name (ProcessGroup.group_name, a name given to
-            cam_jit.register_group, or "" for the default group); its size must be Er + Ar.
+            cam_jit.register_group, or "" for the default group); its size must be Er + Ar. On
+            NPU tensors the kernel gets the group's HCCL communicator name.
         aiv_num: NPU vector cores; no numerical meaning (strict mode checks 4..48).
         compute_gate: 1 also sends expert_ids and scales; 0 sends only x.
         strict: apply the NPU kernel's limits (docs/semantics.md §2.5/§7.5: batch in (0, 1024], hidden_size in

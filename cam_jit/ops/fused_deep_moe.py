@@ -433,7 +433,10 @@ def fused_deep_moe(
         share_gmm1_bias, share_gmm2_bias: [2Is] / [H] float32 (a leading 1 is allowed); required
             with a W4A8 shared expert, None otherwise.
         group_ep: the EP process group, or its name (ProcessGroup.group_name, a name given to
-            cam_jit.register_group, or "" for the default group). Unused when ep_rank_size == 1.
+            cam_jit.register_group, or "" for the default group). On CPU unused when
+            ep_rank_size == 1. On NPU tensors the kernel gets the group's HCCL communicator name
+            (the group needs the HCCL backend, even for one rank); a string naming no torch group
+            is passed as an HCCL name.
         ep_rank_size: R, ranks in the EP group. ep_rank_id: this rank's index in it.
         moe_expert_num: E, total routed experts, a multiple of R.
         quant_mode: reserved, 0. global_bs: 0 (equal batches) or max_r(BS_r) * R.
