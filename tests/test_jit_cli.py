@@ -155,3 +155,21 @@ def test_module_usage_names_python_m_and_ops_says_npu(capsys):
     from cam_jit.ops import describe_ops
 
     assert all(set(op["backends"]) <= {"CPU", "Meta", "NPU"} for op in describe_ops())
+
+
+def test_doctor_columns_align_with_long_backend_names(capsys, monkeypatch):
+    spec = jit.BuildSpec(backend="tiny_long_backend", name="t_cli_tiny_long", root=DATA,
+                         sources=(DATA / "tiny.cpp",), headers=(DATA / "tiny.h",))
+    monkeypatch.setitem(jit.BACKENDS, spec.backend, jit.Backend(spec.backend, lambda: spec, lambda: None))
+    for backend in ("tiny", spec.backend):
+        assert main(["build", "--backend", backend]) == 0
+    capsys.readouterr()
+    assert main(["doctor"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    entries = lines[lines.index("cache entries: 2") + 1:][:2]
+    keys = [line.index(line.split()[1]) for line in entries]
+    assert keys[0] == keys[1], entries  # the key column starts at the same place
+    backends = lines[lines.index("backends:") + 1:]
+    states = [line.index(" available" if " available" in line else " unavailable") for line in backends
+              if line.startswith("  ") and ("available" in line)]
+    assert len(set(states)) == 1, backends
