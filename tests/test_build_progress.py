@@ -58,6 +58,12 @@ def test_non_terminal_stderr_gets_only_the_two_lines(cache):
     assert len(lines) == 2 and "\r" not in run.stderr, run.stderr
     assert lines[0].startswith("cam_jit: compiling the test-progress backend")
     assert lines[1].startswith("cam_jit: built the test-progress backend in")
+    # the README's JIT cache table says exactly this
+    row = next(line for line in (REPO / "README.md").read_text().splitlines() if line.startswith("| first use |"))
+    assert "prints two lines on stderr" in row, row
+    for line, cut in ((lines[0], " ("), (lines[1], " in ")):
+        assert line.split(cut)[0].replace("test-progress", "cpu") in row, (line, row)
+    assert "this happens once per cache entry`" in row and lines[0].endswith("this happens once per cache entry")
 
 
 def test_terminal_gets_one_live_line_cleared_before_the_built_line(cache):
