@@ -1,5 +1,5 @@
 """Prefill ("normal") MoE dispatch and combine: CAM's `DispatchLayout`, `NotifyDispatch`,
-`MoeDispatchNormal` and `MoeCombineNormal` kernels as four ops (docs/semantics.md, "Prefill").
+`MoeDispatchNormal` and `MoeCombineNormal` kernels as four ops (docs/semantics.md §9).
 
 1. `moe_dispatch_layout` (local): per-rank and per-expert token counts, the token-in-rank mask,
    and each (token, k) pair's index among the pairs sent to its expert.

@@ -1,5 +1,5 @@
 """Reference prefill ("normal") dispatch and combine in plain torch, written from the kernels'
-description (docs/semantics.md, "Prefill"), independently of ``cam_jit.ops.moe_normal``.
+description (docs/semantics.md §9), independently of ``cam_jit.ops.moe_normal``.
 
 Cross-rank traffic deliberately uses a different scheme from the product (which sends each token
 once per destination rank and expands it there): every rank all-gathers every rank's tokens,
