@@ -88,3 +88,16 @@ def _two_ranks(sim_path, quant_mode):
 def test_two_ranks_are_bit_identical_to_cpu(sims, rank_pool, quant_mode):  # noqa: F811
     for same in rank_pool(2).run(_two_ranks, str(sims["master"].path), quant_mode):
         assert all(same), same
+
+
+def test_a_rank_that_receives_nothing(npu):  # noqa: F811
+    """No rows: the dispatch still hands the kernel one output row and the combine one input row
+    (as UMDK's binding does), and the results are empty like the CPU backend's."""
+    bind, _ = npu
+    sim = bind("master")
+    x, ids, weights = torch.zeros(0, H, dtype=torch.bfloat16), torch.zeros(0, 2, dtype=torch.int32), torch.zeros(0, 2)
+    got = _prefill(npu_ops, x, ids, weights, SOLO, 1, 0, 2)
+    assert all(_same(got, _prefill(torch.ops.cam_jit, x, ids, weights, "", 1, 0, 2)))
+    calls = {c["fn"]: c["args"] for c in sim.calls() if c["fn"].endswith("GetWorkspaceSize")}
+    assert calls["aclnnMoeDispatchNormalGetWorkspaceSize"][15]["shape"] == [1, H]
+    assert calls["aclnnMoeCombineNormalGetWorkspaceSize"][0]["shape"] == [1, H]

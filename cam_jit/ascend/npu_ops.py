@@ -291,13 +291,17 @@ def moe_dispatch_normal(x, expert_ids, send_offset, send_token_idx, recv_offset,
 def moe_combine_normal(recv_x, assist_info_for_combine, recv_count, expert_ids, expert_scales, group_ep,
                        ep_rank_size, ep_rank_id, moe_expert_num, global_bs):
     """NPU kernel of cam_jit::moe_combine_normal: aclnnMoeCombineNormal (no TP: a one-element
-    tp_recv_counts, tp_world_size 1), global_bs 0 read as BS * R as in UMDK's binding."""
+    tp_recv_counts, tp_world_size 1), global_bs 0 read as BS * R as in UMDK's binding, and never an
+    empty recv_x (the kernel reads recv_count[-1] rows of it)."""
     out = _zeroed(_op_module("moe_normal")._combine_fake(recv_x, assist_info_for_combine, recv_count, expert_ids,
                                                          expert_scales, group_ep, ep_rank_size, ep_rank_id,
                                                          moe_expert_num, global_bs))
     _routed_everywhere("moe_combine_normal", expert_ids)
+    assist = assist_info_for_combine.reshape(-1)
+    if recv_x.shape[0] == 0:  # the dispatch's buffers have at least one row: hand the kernel one too
+        recv_x, assist = recv_x.new_zeros((1, recv_x.shape[1])), assist.new_zeros((3,))
     name = hccl.comm_name("moe_combine_normal", group_ep)
-    binding().ops.moe_combine_normal(recv_x, assist_info_for_combine.reshape(-1), recv_count, expert_scales,
+    binding().ops.moe_combine_normal(recv_x, assist, recv_count, expert_scales,
                                      recv_count.new_zeros((1,)), name, ep_rank_size, ep_rank_id, name, 1, 0,
                                      moe_expert_num, global_bs or expert_ids.shape[0] * ep_rank_size, out)
     return out
