@@ -1,5 +1,7 @@
 """Bad inputs to cam_jit.fused_deep_moe: each raises the right exception naming the argument,
 the expected value and the actual value. Validation runs before any kernel is needed."""
+import sys
+
 import pytest
 import torch
 
@@ -271,3 +273,36 @@ def test_backward_through_a_weight_list_is_refused_and_no_grad_records_nothing()
     with torch.no_grad():
         again = cam_jit.fused_deep_moe(**args)
     assert not any(t.requires_grad for t in again) and torch.equal(again[0], out.detach())
+
+
+def test_the_validation_verdict_is_reused_per_argument_signature(monkeypatch):
+    fdm = sys.modules["cam_jit.ops.fused_deep_moe"]
+    monkeypatch.setattr(fdm, "_VERDICTS", {})
+    calls = []
+    real = fdm.validate
+    monkeypatch.setattr(fdm, "validate", lambda **args: calls.append(1) or real(**args))
+    args = good_args()
+    first = cam_jit.fused_deep_moe(**args)
+    again = cam_jit.fused_deep_moe(**dict(args, x=args["x"] * 2))  # other data, same signature
+    assert len(calls) == 1 and not torch.equal(first[0], again[0])
+    cam_jit.fused_deep_moe(**dict(args, x=args["x"][:2], expert_ids=args["expert_ids"][:2],
+                                  expert_scales=args["expert_scales"][:2]))  # another batch: validated
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (dict(x=torch.zeros(BS, H)), TypeError, "'x': expected dtype bfloat16 or float16, got float32"),
+    (dict(expert_scales=torch.zeros(BS, K + 1)), ValueError, "'expert_scales': expected shape"),
+    (dict(gmm2_weight_scale=torch.zeros(E, H + 1)), ValueError, "gmm2_weight_scale"),
+    (dict(expert_ids=torch.tensor([[0, 1], [2, 9], [1, -1], [3, 2]], dtype=torch.int32)), ValueError,
+     "'expert_ids': expected values in \\[-1, 4\\)"),  # the same signature as the good call: data is checked
+    (dict(moe_expert_num=8), ValueError, "gmm1_weight.*expected shape \\[8, 64, 64\\]"),
+])
+def test_a_cached_signature_never_lets_a_bad_call_through(bad, error, match):
+    args = good_args()
+    cam_jit.fused_deep_moe(**args)  # its signature's verdict is now cached
+    with pytest.raises(error, match=match):
+        cam_jit.fused_deep_moe(**dict(args, **bad))
+    with pytest.raises(error, match=match):  # and again: failures are never cached
+        cam_jit.fused_deep_moe(**dict(args, **bad))
+    cam_jit.fused_deep_moe(**args)

@@ -268,6 +268,35 @@ def validate(
     return Layout(batch, hidden, topk, local_experts, inter, shared, share_inter, w4a8)
 
 
+_VERDICTS: Dict[tuple, Layout] = {}  # argument signature -> validate's Layout, for the CPU kernel
+_VERDICTS_MAX = 256  # distinct signatures kept (shapes vary with the batch); then the cache is reset
+
+
+def _signature(value: object) -> object:
+    """What validate's verdict depends on in one argument: a tensor's dtype, device and shape,
+    a list's items, and any other value itself (never tensor data)."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype, value.device, value.shape
+    if isinstance(value, list):
+        return tuple(_signature(v) for v in value)
+    return value
+
+
+def validated(args: Dict[str, object]) -> Layout:
+    """validate(**args) for real tensors, memoised per argument signature (:func:`_signature`
+    of every argument): validate reads only those, so an equal signature has the same verdict.
+    Only successes are kept; a failing call raises every time. Not for fake tensors (symbolic
+    shapes must be checked, and guarded, at every trace)."""
+    key = tuple(_signature(v) for v in args.values())
+    layout = _VERDICTS.get(key)
+    if layout is None:
+        layout = validate(**args)
+        if len(_VERDICTS) >= _VERDICTS_MAX:
+            _VERDICTS.clear()
+        _VERDICTS[key] = layout
+    return layout
+
+
 def _check_expert_ids(expert_ids: torch.Tensor, experts: int, op: str = OP) -> None:
     """Routed ids must lie in [-1, moe_expert_num) (docs/semantics.md §1.7; upstream leaves >= E undefined)."""
     if expert_ids.numel() == 0:
@@ -320,7 +349,7 @@ def _cpu(x, expert_ids, gmm1_weight, gmm1_weight_scale, gmm2_weight, gmm2_weight
     check.expert_parallel(OP, "ep_rank_size", ep_rank_size, ep_rank_id, moe_expert_num, global_bs)
     group = resolve_group(OP, group_ep, ep_rank_size, ep_rank_id) if ep_rank_size > 1 else None
     try:
-        layout = validate(**{k: v for k, v in locals().items() if k != "group"})
+        layout = validated({k: v for k, v in locals().items() if k != "group"})
         active = layout.batch if x_active_mask is None else int(x_active_mask.sum())
         _check_expert_ids(expert_ids[:active], moe_expert_num)
     except (TypeError, ValueError) as err:

