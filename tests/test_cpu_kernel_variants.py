@@ -4,6 +4,7 @@ fused_deep_moe op is bit-identical across all GEMM x element-wise (`scalar`, `av
 to the plain-torch reference. Also: the prepack cache follows in-place weight updates, the
 preparation API, and the argument checks of the internal ops."""
 import contextlib
+import dataclasses
 import platform
 
 import pytest
@@ -192,3 +193,12 @@ def test_route_pairs_sorts_stably_by_expert():
     assert expert.tolist() == [0, 0, 1, 2, 2]
     assert counts.tolist() == [2, 1, 2]
     assert rows.tolist() == [[3, 0, -1], [1, 4, 2], [-1, -1, -1]]
+
+
+def test_cache_key_names_the_target_isa():
+    from cam_jit.jit import content_key, cpu_spec
+
+    spec = cpu_spec()
+    assert spec.extra_key["target_isa"].startswith(platform.machine())
+    other = dataclasses.replace(spec, extra_key={"target_isa": "another-arch baseline + runtime dispatch"})
+    assert content_key(other) != content_key(spec)

@@ -24,6 +24,10 @@ _PACKAGE_DIR = Path(__file__).resolve().parent.parent  # the cam_jit package dir
 # torch itself loads (bundled in torch/lib), so there is one OpenMP runtime in the process.
 CPU_CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
 CPU_LDFLAGS = ("-fopenmp",)
+# No -march: the library targets the architecture's baseline ISA and picks its AVX512 / VNNI / AMX
+# kernels at run time from CPUID (kernels/cpu/int8_gemm.cpp), so one cached binary is valid on every
+# CPU of the architecture, which is part of the cache key.
+CPU_TARGET_ISA = f"{os.uname().machine} baseline + runtime dispatch"
 
 
 def kernels_dir() -> Path:
@@ -41,7 +45,8 @@ def cpu_spec() -> BuildSpec:
         raise JitError(f"no C++ sources (*.cpp) in {cpu}: this cam_jit installation is incomplete "
                        "(reinstall it, or run from a complete checkout)")
     return BuildSpec(backend="cpu", name="cam_jit_cpu", root=root, sources=sources,
-                     headers=headers, include_dirs=(cpu,), cflags=CPU_CFLAGS, ldflags=CPU_LDFLAGS)
+                     headers=headers, include_dirs=(cpu,), cflags=CPU_CFLAGS, ldflags=CPU_LDFLAGS,
+                     extra_key={"target_isa": CPU_TARGET_ISA})
 
 
 def tree_files(folder: Path, *suffixes: str) -> Tuple[Tuple[Path, ...], ...]:

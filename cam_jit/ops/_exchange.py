@@ -8,7 +8,7 @@ import datetime
 import os
 import time
 import zlib
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -63,13 +63,19 @@ def failure_text(op: str, what: str, start: float, limit: float, err: BaseExcept
 
 
 def all_to_all_rows(
-    send: torch.Tensor, send_counts: List[int], recv_counts: List[int], group: "dist.ProcessGroup", op: str, what: str
+    send: torch.Tensor, send_counts: List[int], recv_counts: List[int], group: "dist.ProcessGroup", op: str, what: str,
+    meanwhile: Optional[Callable[[], None]] = None,
 ) -> torch.Tensor:
     """Send rows `send[sum(send_counts[:d]) : ...]` to rank d; returns the received rows, grouped
-    by source rank in rank order. send: [sum(send_counts), *row]."""
+    by source rank in rank order. send: [sum(send_counts), *row]. `meanwhile` runs while the
+    exchange is in flight (the exchange is waited for even if it raises)."""
     recv = send.new_empty((sum(recv_counts),) + tuple(send.shape[1:]))
     work = dist.all_to_all_single(recv, send.contiguous(), recv_counts, send_counts, group=group, async_op=True)
-    wait(work, op, what, group)
+    try:
+        if meanwhile is not None:
+            meanwhile()
+    finally:
+        wait(work, op, what, group)
     return recv
 
 

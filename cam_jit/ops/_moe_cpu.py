@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -96,11 +96,13 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def exchange_columns(op: str, what: str, group: "dist.ProcessGroup", columns: Sequence[torch.Tensor],
-                     send_counts: List[int], recv_counts: List[int]) -> List[torch.Tensor]:
+                     send_counts: List[int], recv_counts: List[int],
+                     meanwhile: Optional[Callable[[], None]] = None) -> List[torch.Tensor]:
     """One all_to_all of several per-row columns (each [P, ...], rows grouped by destination
-    rank) packed side by side as bytes; returns the received columns, [M, ...] each."""
+    rank) packed side by side as bytes; returns the received columns, [M, ...] each. `meanwhile`
+    runs while the exchange is in flight."""
     payload = torch.cat([_as_bytes(c) for c in columns], dim=1)
-    recv = _exchange.all_to_all_rows(payload, send_counts, recv_counts, group, op, what)
+    recv = _exchange.all_to_all_rows(payload, send_counts, recv_counts, group, op, what, meanwhile)
     out, start = [], 0
     for c in columns:
         width = _as_bytes(c[:0]).shape[1]
@@ -110,14 +112,18 @@ def exchange_columns(op: str, what: str, group: "dist.ProcessGroup", columns: Se
 
 
 def send_rows(op: str, route: Route, rows: torch.Tensor, scale: Optional[torch.Tensor],
-              local_experts: int) -> Received:
+              local_experts: int, meanwhile: Optional[Callable[[], None]] = None) -> Received:
     """Sends each pair's row (and scale) to the rank owning its expert. rows: [P, H] in route
-    order (int8 quantised, or x.dtype); scale: [P] float32 or None."""
+    order (int8 quantised, or x.dtype); scale: [P] float32 or None. `meanwhile` (e.g. the shared
+    expert) runs while the rows are in flight."""
     local = route.expert.remainder(local_experts)
     if route.group is None:
+        if meanwhile is not None:
+            meanwhile()
         return Received(rows, scale, local, torch.zeros_like(local), route.pos)
     columns = [rows, local.to(torch.int32), route.pos.to(torch.int32)] + ([scale] if scale is not None else [])
-    recv = exchange_columns(op, "token dispatch", route.group, columns, route.send_counts, route.recv_counts)
+    recv = exchange_columns(op, "token dispatch", route.group, columns, route.send_counts, route.recv_counts,
+                            meanwhile)
     check_local_experts(op, recv[1], local_experts, sources=route.recv_counts)
     sources = torch.repeat_interleave(torch.arange(len(route.recv_counts)), torch.tensor(route.recv_counts))
     return Received(recv[0], recv[3] if scale is not None else None, recv[1].to(torch.int64), sources,

@@ -346,10 +346,11 @@ def _cpu(x, expert_ids, gmm1_weight, gmm1_weight_scale, gmm2_weight, gmm2_weight
          share_gmm1_weight, share_gmm1_weight_scale, share_gmm2_weight, share_gmm2_weight_scale,
          expert_smooth_scales, share_smooth_scales, x_active_mask, gmm1_bias, gmm2_bias, share_gmm1_bias,
          share_gmm2_bias, group_ep, ep_rank_size, ep_rank_id, moe_expert_num, quant_mode, global_bs):
+    args = dict(locals())  # the schema's arguments by name
     check.expert_parallel(OP, "ep_rank_size", ep_rank_size, ep_rank_id, moe_expert_num, global_bs)
     group = resolve_group(OP, group_ep, ep_rank_size, ep_rank_id) if ep_rank_size > 1 else None
     try:
-        layout = validated({k: v for k, v in locals().items() if k != "group"})
+        layout = validated(args)
         active = layout.batch if x_active_mask is None else int(x_active_mask.sum())
         _check_expert_ids(expert_ids[:active], moe_expert_num)
     except (TypeError, ValueError) as err:
@@ -364,11 +365,13 @@ def _cpu(x, expert_ids, gmm1_weight, gmm1_weight_scale, gmm2_weight, gmm2_weight
     else:
         q, q_scale = kernels.quantize_rows(x, smooth, route.token, route.expert)
     weights = (gmm1_weight, gmm1_weight_scale, gmm1_bias, gmm2_weight, gmm2_weight_scale, gmm2_bias)
+    shared = []  # the shared expert's output, computed while the routed rows are in flight
     if group is None:  # one rank: the route order is already grouped by expert
         expert_token_nums = route.expert_counts
         y = _expert_ffn(kernels, layout, q, q_scale, expert_token_nums.tolist(), *weights, x.dtype)
     else:
-        received = _moe_cpu.send_rows(OP, route, q, q_scale, layout.local_experts)
+        received = _moe_cpu.send_rows(OP, route, q, q_scale, layout.local_experts,
+                                      meanwhile=lambda: shared.append(shared_expert_output(kernels, layout, args)))
         expert_token_nums = torch.bincount(received.local_expert, minlength=layout.local_experts)
         by_expert = torch.sort(received.local_expert, stable=True).indices
         y_grouped = _expert_ffn(kernels, layout, received.rows[by_expert], received.scale[by_expert],
@@ -378,7 +381,8 @@ def _cpu(x, expert_ids, gmm1_weight, gmm1_weight_scale, gmm2_weight, gmm2_weight
         y = _moe_cpu.return_rows(OP, route, y)
     output = kernels.combine(y, route.pair_rows, expert_scales, active)
 
-    return [output, shared_expert_output(kernels, layout, locals()), expert_token_nums]
+    share_output = shared[0] if shared else shared_expert_output(kernels, layout, args)
+    return [output, share_output, expert_token_nums]
 
 
 def shared_expert_output(kernels, layout: Layout, args: dict) -> torch.Tensor:
