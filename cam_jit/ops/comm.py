@@ -25,6 +25,7 @@ import datetime
 import ipaddress
 import logging
 import os
+import secrets
 import socket
 import threading
 from typing import Dict, Optional, Tuple
@@ -35,6 +36,7 @@ import torch.distributed as dist
 from cam_jit.ops import _checks as check
 from cam_jit.ops import _exchange
 from cam_jit.ops._registry import OpInfo, define_op
+from cam_jit.ops._rendezvous import Rendezvous, RendezvousError
 
 logger = logging.getLogger("cam_jit")
 
@@ -178,29 +180,54 @@ def check_comm_args(op: str, arg: str, comm: Communicator, args: torch.Tensor) -
 
 
 def _rendezvous(comm_id: int, rank: int, size: int, address: Tuple[str, int]) -> Communicator:
+    """Forms the group through `_rendezvous.Rendezvous` at `address` (rank 0 listens there, on
+    that interface only, and admits only members of the job). Gloo's own exchange then runs
+    over a TCPStore that rank 0 serves on an ephemeral port of the same interface, under a key
+    prefix drawn at random and handed out only to admitted members; rank 0 stops accepting
+    connections to it once the group is formed."""
     op = GET_COMM.name
     mem_len = _buffer_bytes(op)
     limit = _exchange.timeout_seconds()
     timeout = datetime.timedelta(seconds=limit)
     host, port = address
-    store = prefix = group = None
+    store = group = listener = None
+    served = False  # whether the store's server owns the listener's descriptor
     try:
-        store = dist.TCPStore(host, port, size, rank == 0, timeout, wait_for_workers=True)
-        prefix = dist.PrefixStore(f"cam_comm_{comm_id}", store)
-        prefix.set(f"host_{rank}", _boot_id())
-        hosts = len({prefix.get(f"host_{r}") for r in range(size)})
-        group = dist.ProcessGroupGloo(prefix, rank, size, timeout)
-        # Every rank has left the store once the group completes a barrier: rank 0 may then free
-        # the store (and so the server) at any time.
-        group.barrier().wait(timeout)
+        with Rendezvous(op, host, port, rank, size, limit) as members:
+            record = {"boot_id": _boot_id()}
+            if rank == 0:
+                listener = socket.create_server((host, 0), backlog=size + 8)
+                store = dist.TCPStore(host, listener.getsockname()[1], size, True, timeout, wait_for_workers=False,
+                                      master_listen_fd=listener.fileno())
+                served = True
+                record.update(store_port=listener.getsockname()[1], prefix=secrets.token_hex(16))
+            table = members.exchange(record)
+            local_host = members.local_host
+        if rank != 0:
+            store = dist.TCPStore(host, int(table[0]["store_port"]), size, False, timeout, wait_for_workers=False)
+        prefix = dist.PrefixStore(f"cam_comm_{comm_id}/{table[0]['prefix']}", store)
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout, options._threads = timeout, 2
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host)]  # gloo listens there only
+        group = dist.ProcessGroupGloo(prefix, rank, size, options)
+        group.barrier().wait(timeout)  # every rank is past the store: no newcomer is needed
     except (RuntimeError, ValueError) as err:
         if group is not None:
             group.shutdown()
         store = prefix = group = None  # the traceback keeps this frame: release the sockets now
+        if isinstance(err, (RendezvousError, ValueError)):
+            raise
         raise RuntimeError(
             f"{op}: rendezvous of comm_id {comm_id} (rank {rank} of {size}) at {host}:{port} failed "
             f"(rank 0 hosts it, the others connect; timeout {limit:g} s, CAM_JIT_COMM_TIMEOUT). Cause: {err}"
         ) from err
+    finally:
+        if served:  # the store's server owns the descriptor: it only stops accepting
+            listener.shutdown(socket.SHUT_RDWR)
+            listener.detach()
+        elif listener is not None:
+            listener.close()
+    hosts = len({r["boot_id"] for r in table})
     return Communicator(comm_id, rank, size, address, store, group, comm_args_tensor(rank, size, hosts, mem_len))
 
 

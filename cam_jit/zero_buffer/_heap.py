@@ -2,25 +2,24 @@
 
 One POSIX shared-memory segment of `memsize` bytes per rank (sparse until touched): the first
 2 MiB are the ext-info region (this module's header and the transport's flags), the rest is the
-workspace. Ranks bootstrap through a `torch.distributed.TCPStore` at `ip_port`: each publishes
-its segment's name, host and process identity, maps every peer's segment by name, and once every
-rank has mapped every segment each unlinks its own name. From then on /dev/shm holds nothing: the
-memory lives only in the mappings, which the kernel drops when the processes exit, killed or not.
-`close()`, garbage collection and interpreter exit unmap (and unlink our name if init failed
-before the end). A rank that dies inside init, between creating and unlinking its segment, leaves
-its name behind: the survivors notice (their init fails) and unlink it for it.
+workspace. Ranks meet through `cam_jit.ops._rendezvous` at `ip_port` (rank 0 listens there on
+that interface only and admits only members of the job; the connections close when init ends).
+Once the group is formed, each rank creates its segment, publishes its name, host and process
+identity, maps every peer's segment by name, and once every rank has mapped every segment each
+unlinks its own name. From then on /dev/shm holds nothing: the memory lives only in the mappings,
+which the kernel drops when the processes exit, killed or not. `close()`, garbage collection and
+interpreter exit unmap (and unlink our name if init failed before the end). A rank that dies
+between creating and unlinking its segment leaves its name behind: the survivors unlink it (a
+member dropping out of the rendezvous fails everyone's init), and every later init reclaims names
+of processes of this user and pid namespace that have exited (the pid is in the name).
 """
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import json
 import os
 import re
 import secrets
 import socket
-import threading
-import time
 import weakref
 from typing import Dict, List, Optional, Tuple
 
@@ -30,13 +29,13 @@ from cam_jit.jit import kernels_dir, load
 from cam_jit.jit.backends import CPU_CFLAGS, CPU_LDFLAGS, tree_files
 from cam_jit.jit.errors import JitError
 from cam_jit.jit.spec import BuildSpec
+from cam_jit.ops._rendezvous import Rendezvous, RendezvousError
 
 BACKEND = "cpu_zb"
 EXT_INFO_BYTES = 2 * 1024 * 1024  # docs/semantics.md §5.1
 SEGMENT_PREFIX = "/cam_jit_zb."  # shm_open names; they appear as /dev/shm/cam_jit_zb.*
 MAGIC = 0x42_5A_54_49_4A_4D_41_43  # "CAMJITZB" little-endian: the segment header's first word
 HEADER_WORDS = 8  # int64: magic, rank, num_ranks, memsize, pid, process start time, 0, 0
-POLL_SECONDS = 0.02  # how often init's waits poll the store and check that the ranks they wait for live
 
 
 def zb_spec() -> BuildSpec:
@@ -68,7 +67,7 @@ def parse_ip_port(where: str, ip_port: object) -> Tuple[str, int]:
     port = int(match.group(2)) if match else 0
     if not match or not 0 < port < 65536:
         raise ValueError(f"{where}: argument 'ip_port': expected 'tcp://host:port' with a port in [1, 65535] "
-                         f"(the bootstrap address: rank 0 serves a TCPStore there), got {ip_port!r}")
+                         f"(the rendezvous address: rank 0 listens there), got {ip_port!r}")
     return match.group(1).strip("[]"), port
 
 
@@ -101,33 +100,40 @@ def _boot_id() -> str:
         return ""
 
 
-# One bootstrap store per address per process, kept for the process's life: a store dropped at
-# close could still be answering a fast peer's next init. Keys are namespaced by a per-address
-# init counter, so every rank must call init the same number of times at one address.
-_STORES: Dict[Tuple[str, int], "torch.distributed.TCPStore"] = {}
-_INITS: Dict[Tuple[str, int], int] = {}
-_STORES_LOCK = threading.Lock()
+_NAME = re.compile(r"^/cam_jit_zb\.(\d+)\.(\d+)\.(\d+)\.[0-9a-f]{12}$")  # pid namespace, pid, rank
 
 
-def _bootstrap_store(where: str, host: str, port: int, rank: int, timeout: float):
-    import torch.distributed as dist
+def segment_name(rank: int) -> str:
+    """A fresh segment name of this process for `rank`: /cam_jit_zb.<pid ns>.<pid>.<rank>.<random>."""
+    return f"{SEGMENT_PREFIX}{_pid_namespace_id()}.{os.getpid()}.{rank}.{secrets.token_hex(6)}"
 
-    with _STORES_LOCK:
-        store = _STORES.get((host, port))
-        if store is None:
-            try:
-                store = dist.TCPStore(host, port, is_master=rank == 0, wait_for_workers=False,
-                                      timeout=datetime.timedelta(seconds=timeout))
-            except (RuntimeError, OSError) as err:
-                role = "serve" if rank == 0 else "reach"
-                raise RuntimeError(
-                    f"{where}: cannot {role} the bootstrap TCPStore at tcp://{host}:{port} within {timeout:g} s "
-                    f"(rank 0 serves it, the others connect; every rank must pass the same ip_port): {err}"
-                ) from err
-            _STORES[(host, port)] = store
-        generation = _INITS.get((host, port), 0) + 1
-        _INITS[(host, port)] = generation
-    return store, f"cam_jit_zb/{generation}/"
+
+def _pid_namespace_id() -> int:
+    digits = re.sub(r"\D", "", _pid_namespace())
+    return int(digits) if digits else 0
+
+
+def reclaim_stale_segments() -> List[str]:
+    """Unlinks /dev/shm names of segments that processes of this user and pid namespace created
+    and left behind when they died (e.g. killed inside init); returns them."""
+    reclaimed = []
+    namespace, uid = _pid_namespace_id(), os.geteuid()
+    try:
+        entries = os.listdir("/dev/shm")
+    except OSError:
+        return reclaimed
+    for entry in entries:
+        match = _NAME.match("/" + entry)
+        if not match or int(match.group(1)) != namespace or not namespace:
+            continue
+        try:
+            owner = os.stat(f"/dev/shm/{entry}").st_uid
+        except OSError:
+            continue
+        if owner == uid and process_start_time(int(match.group(2))) is None:
+            if torch.ops._cam_jit_cpu_zb.unlink_segment("/" + entry):
+                reclaimed.append("/" + entry)
+    return reclaimed
 
 
 @dataclasses.dataclass
@@ -186,30 +192,35 @@ class Heap:
 
     def _open(self, where: str, kernels, host: str, port: int, timeout: float) -> List[Peer]:
         rank, ranks, memsize = self.rank, self.num_ranks, self.memsize
-        # The store first: a rank still waiting for it has created nothing that could leak.
-        store, prefix = _bootstrap_store(where, host, port, rank, timeout)
-        pid = os.getpid()
-        start = process_start_time(pid)
-        name = f"{SEGMENT_PREFIX}{pid}.{rank}.{secrets.token_hex(6)}"
-        self._mappings.linked.append(name)
-        self._mappings.addrs[rank] = kernels.map_segment(name, memsize, True)
-        header = kernels.region(self._mappings.addrs[rank], [HEADER_WORDS], torch.int64)
-        header.copy_(torch.tensor([MAGIC, rank, ranks, memsize, pid, start or 0, 0, 0], dtype=torch.int64))
-        me = dict(name=name, host=socket.gethostname(), boot_id=_boot_id(), pid_ns=_pid_namespace(), pid=pid,
-                  start_time=start, num_ranks=ranks, memsize=memsize)
-        store.set(f"{prefix}info/{rank}", json.dumps(me))  # from here on, the peers know the name
-        try:
-            infos = self._gather(where, store, f"{prefix}info", timeout, "publish its segment")
-            peers = self._check_peers(where, infos)
-            for peer in peers:
-                if peer.rank != rank:
-                    self._map_peer(where, kernels, peer)
-            store.set(f"{prefix}mapped/{rank}", "1")
-            self._gather(where, store, f"{prefix}mapped", timeout, "map every segment", tuple(peers))
-        except BaseException:
-            # A peer that died inside init cannot unlink its name: do it for it.
-            self._mappings.linked.extend(_names_of_exited(store, f"{prefix}info", ranks, me))
-            raise
+        reclaim_stale_segments()
+        # The group first: a rank still waiting for its peers has created nothing that could leak.
+        with Rendezvous(where, host, port, rank, ranks, timeout) as members:
+            pid = os.getpid()
+            start = process_start_time(pid)
+            name = segment_name(rank)
+            self._mappings.linked.append(name)
+            self._mappings.addrs[rank] = kernels.map_segment(name, memsize, True)
+            header = kernels.region(self._mappings.addrs[rank], [HEADER_WORDS], torch.int64)
+            header.copy_(torch.tensor([MAGIC, rank, ranks, memsize, pid, start or 0, 0, 0], dtype=torch.int64))
+            me = dict(name=name, host=socket.gethostname(), boot_id=_boot_id(), pid_ns=_pid_namespace(), pid=pid,
+                      start_time=start, num_ranks=ranks, memsize=memsize)
+            records: List[dict] = []
+            try:
+                records = members.exchange(me)  # from here on, the peers know the name
+                peers = self._check_peers(where, records)
+                for peer in peers:
+                    if peer.rank != rank:
+                        self._map_peer(where, kernels, peer)
+                members.exchange("mapped")
+            except BaseException as err:
+                # A peer that died inside init cannot unlink its name: do it for it.
+                exited = _exited(records, me)
+                self._mappings.linked.extend(p.name for p in exited)
+                if exited and isinstance(err, RendezvousError):
+                    raise RuntimeError(
+                        f"{where}: rank(s) {[p.rank for p in exited]} exited (pid {exited[0].pid}) before every rank "
+                        f"could map every segment (rank {rank} of {ranks}): {err}") from None
+                raise
         kernels.unlink_segment(name)
         self._mappings.linked.remove(name)
         return peers
@@ -222,25 +233,7 @@ class Heap:
                                f"abandoned init: see its error) or not visible from rank {self.rank}: {err}") from err
         self._check_header(where, kernels, peer)
 
-    def _gather(self, where: str, store, key: str, timeout: float, what: str,
-                peers: Tuple["Peer", ...] = ()) -> Dict[int, str]:
-        """Waits until every rank has set `key`/<rank>; returns the values by rank. Raises within
-        POLL_SECONDS when one of `peers` (the ranks known so far) has exited."""
-        keys = [f"{key}/{r}" for r in range(self.num_ranks)]
-        deadline = time.monotonic() + timeout
-        while not _has_key(store, keys):  # polled: a blocking wait logs a warning at each time-out
-            missing = [r for r, k in enumerate(keys) if not _has_key(store, [k])]
-            dead = [p.rank for p in peers if p.rank in missing and p.exited()]
-            if dead or time.monotonic() > deadline:
-                why = f"exited (pid {peers[dead[0]].pid}) before they could" if dead else "did not"
-                raise RuntimeError(
-                    f"{where}: rank(s) {dead or missing} {why} {what} within {timeout:g} s (rank {self.rank} of "
-                    f"{self.num_ranks}); every rank must call init with the same num_ranks, memsize and ip_port")
-            time.sleep(POLL_SECONDS)
-        return {r: store.get(k).decode() for r, k in enumerate(keys)}
-
-    def _check_peers(self, where: str, infos: Dict[int, str]) -> List[Peer]:
-        records = {r: json.loads(v) for r, v in infos.items()}
+    def _check_peers(self, where: str, records: List[dict]) -> List[Peer]:
         mine = records[self.rank]
         for field, arg in (("num_ranks", "num_ranks"), ("memsize", "memsize")):
             values = [records[r][field] for r in range(self.num_ranks)]
@@ -279,14 +272,6 @@ class Heap:
         self._finalizer()
 
 
-def _has_key(store, keys: List[str]) -> bool:
-    """Whether the store holds every key (False when the store is unreachable)."""
-    try:
-        return bool(store.check(keys))
-    except (RuntimeError, OSError):
-        return False
-
-
 def _peer(rank: int, record: dict, mine: dict) -> Peer:
     """The Peer a rank's published record describes, as seen from the rank that published `mine`:
     its process can be watched only from the same pid namespace."""
@@ -295,17 +280,20 @@ def _peer(rank: int, record: dict, mine: dict) -> Peer:
                 record["start_time"] if visible else None)
 
 
-def _names_of_exited(store, key: str, num_ranks: int, mine: dict) -> List[str]:
-    """Segment names published under `key` by ranks whose process has exited (best effort: the
-    store may be gone)."""
-    names = []
-    for r in range(num_ranks):
-        if not _has_key(store, [f"{key}/{r}"]):
-            continue
+def _exited(records: List[dict], mine: dict) -> List[Peer]:
+    """The ranks among the published `records` whose process has exited and whose segment name
+    is theirs (of the form segment_name gives, with their pid and rank), so a forged record can
+    never make this rank unlink another segment."""
+    exited = []
+    for rank, record in enumerate(records):
         try:
-            record = json.loads(store.get(f"{key}/{r}"))
-        except (RuntimeError, OSError, ValueError):
+            match = _NAME.match(record["name"])
+            if (record["name"] == mine["name"] or not match or int(match.group(2)) != record["pid"]
+                    or int(match.group(3)) != rank):
+                continue
+            peer = _peer(rank, record, mine)
+        except (KeyError, TypeError, ValueError):
             continue
-        if record["name"] != mine["name"] and _peer(r, record, mine).exited():
-            names.append(record["name"])
-    return names
+        if peer.exited():
+            exited.append(peer)
+    return exited

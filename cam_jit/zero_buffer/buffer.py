@@ -66,7 +66,8 @@ class FusedDeepMoeBuffer:
                 P = the most (token, expert) pairs one rank sends to one rank (<= BS * K); a call
                 that needs more is refused on every rank, naming the memsize it needs. Strict
                 mode also applies the NPU's workspace formula (docs/semantics.md §5.2).
-            ip_port: "tcp://host:port" where rank 0 serves the bootstrap TCPStore (any free port).
+            ip_port: "tcp://host:port" where rank 0 listens for the rendezvous (any free port; see
+                cam_jit.ops._rendezvous for who may join).
             timeout: seconds a rank waits for its peers, in init and in every call (default:
                 CAM_JIT_COMM_TIMEOUT, 300). A dead peer is noticed within ~50 ms. CPU only (SHMEM
                 has its own timeouts).
