@@ -256,7 +256,7 @@ def test_names_left_by_dead_processes_are_reclaimed_by_the_next_init():
     name = child.stdout.strip()
     assert child.returncode == 9 and os.path.exists(f"/dev/shm{name}"), child.stderr
     mine = segment_name(0)  # a live process's name (this one) is never reclaimed
-    zb_kernels().map_segment(mine, 1 << 20, True)
+    zb_kernels().unmap_segment(zb_kernels().map_segment(mine, 1 << 20, True), 1 << 20)
     try:
         buf = FusedDeepMoeBuffer()
         buf.init(0, 1, SMALL_MEMSIZE, f"tcp://127.0.0.1:{free_port()}")

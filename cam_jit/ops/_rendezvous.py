@@ -26,6 +26,7 @@ import ipaddress
 import json
 import os
 import secrets
+import selectors
 import socket
 import struct
 import time
@@ -129,8 +130,12 @@ class Rendezvous:
         return left
 
     def _serve(self) -> None:
+        """Accepts joiners until every rank is admitted. Joiners are served side by side (one
+        that stays silent or is refused delays nobody) until the deadline."""
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)
+        selector = selectors.DefaultSelector()
+        pending: Dict[socket.socket, List[bytes]] = {}  # joiner -> [nonce, bytes received]
         try:
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
@@ -138,27 +143,70 @@ class Rendezvous:
             except OSError as err:
                 raise self._fail(f"rank 0 cannot listen there: {err}") from err
             listener.listen(64)
+            listener.setblocking(False)
+            selector.register(listener, selectors.EVENT_READ)
             while len(self._peers) < self.size - 1:
                 missing = sorted(set(range(1, self.size)) - set(self._peers))
-                listener.settimeout(self._left(f"waiting for rank(s) {missing} to join"))
-                try:
-                    conn, _ = listener.accept()
-                except socket.timeout:
-                    continue
-                try:
-                    rank = self._admit(conn)
-                except (OSError, ValueError, KeyError, TypeError, RendezvousError) as err:
-                    self._refuse(conn, str(err))
-                    continue
-                self._peers[rank] = conn
+                for key, _ in selector.select(self._left(f"waiting for rank(s) {missing} to join")):
+                    if key.fileobj is listener:
+                        self._greet(listener, selector, pending)
+                    else:
+                        self._hear(key.fileobj, selector, pending)
         finally:
+            for conn in pending:
+                conn.close()
+            selector.close()
             listener.close()
 
-    def _admit(self, conn: socket.socket) -> int:
-        """Checks a joiner; returns its rank. Raises (the caller refuses the connection) otherwise."""
+    def _greet(self, listener: socket.socket, selector, pending: Dict[socket.socket, List[bytes]]) -> None:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
         nonce = secrets.token_hex(16).encode()
-        self._send(conn, {"magic": MAGIC.decode(), "nonce": nonce.decode()}, "rank ?", limit=2.0)
-        hello = self._recv(conn, "a joining process", limit=2.0)
+        data = json.dumps({"magic": MAGIC.decode(), "nonce": nonce.decode()}).encode()
+        try:
+            conn.setblocking(True)
+            conn.settimeout(1.0)  # a few bytes into a fresh connection's empty buffer
+            conn.sendall(struct.pack("!I", len(data)) + data)
+            conn.setblocking(False)
+        except OSError:
+            conn.close()
+            return
+        pending[conn] = [nonce, b""]
+        selector.register(conn, selectors.EVENT_READ)
+
+    def _hear(self, conn: socket.socket, selector, pending: Dict[socket.socket, List[bytes]]) -> None:
+        """Reads what a joiner sent; admits or refuses it once its whole hello arrived."""
+        nonce, data = pending[conn]
+        length = struct.unpack("!I", data[:4])[0] if len(data) >= 4 else 0
+        wanted = 4 - len(data) if len(data) < 4 else 4 + length - len(data)  # never past the hello
+        try:
+            chunk = conn.recv(min(wanted, MAX_FRAME)) if length <= MAX_FRAME else b""
+        except OSError:
+            chunk = b""
+        data += chunk
+        pending[conn][1] = data
+        complete = len(data) >= 4 and len(data) == 4 + struct.unpack("!I", data[:4])[0]
+        if chunk and not complete:
+            return
+        selector.unregister(conn)
+        del pending[conn]
+        if not chunk:
+            conn.close()
+            return
+        try:
+            rank = self._admit(conn, nonce, json.loads(data[4:]) if complete else None)
+        except (ValueError, KeyError, TypeError) as err:
+            self._refuse(conn, str(err))
+            return
+        conn.setblocking(True)
+        self._peers[rank] = conn
+
+    def _admit(self, conn: socket.socket, nonce: bytes, hello: object) -> int:
+        """Checks a joiner's hello; returns its rank, or raises ValueError (then it is refused)."""
+        if not isinstance(hello, dict):
+            raise ValueError("it did not send a cam_jit hello")
         rank, size = hello["rank"], hello["size"]
         if size != self.size or not isinstance(rank, int) or not 0 < rank < size or rank in self._peers:
             raise ValueError(f"it announced rank {rank} of {size}: not a free rank of this group of {self.size}")
@@ -171,14 +219,16 @@ class Rendezvous:
             if uid not in (os.geteuid(), 0):
                 raise ValueError(f"the process claiming rank {rank} runs as uid {uid}, not as this user "
                                  f"(uid {os.geteuid()}); set {TOKEN_ENV} to admit other users")
-        conn.settimeout(None)
         self._nonces[rank] = str(hello.get("nonce", ""))
         return rank
 
     def _refuse(self, conn: socket.socket, why: str) -> None:
+        data = json.dumps({"error": why}).encode()
         try:
-            self._send(conn, {"error": why}, "a refused joiner", limit=0.5)
-        except (OSError, RendezvousError):
+            conn.setblocking(True)
+            conn.settimeout(0.5)
+            conn.sendall(struct.pack("!I", len(data)) + data)
+        except OSError:
             pass
         conn.close()
 
@@ -257,21 +307,21 @@ class Rendezvous:
         self.close()
 
     # -- framing -------------------------------------------------------------------------------------
-    def _send(self, sock: socket.socket, message: dict, whom: str, limit: Optional[float] = None) -> None:
+    def _send(self, sock: socket.socket, message: dict, whom: str) -> None:
         data = json.dumps(message).encode()
-        sock.settimeout(min(self._left(f"sending to {whom}"), limit or float("inf")))
+        sock.settimeout(self._left(f"sending to {whom}"))
         try:
             sock.sendall(struct.pack("!I", len(data)) + data)
         except OSError as err:
             raise self._dropped(whom, err) from err
 
-    def _recv(self, sock: socket.socket, whom: str, limit: Optional[float] = None) -> dict:
-        header = self._read(sock, 4, whom, limit)
+    def _recv(self, sock: socket.socket, whom: str) -> dict:
+        header = self._read(sock, 4, whom)
         (length,) = struct.unpack("!I", header)
         if length > MAX_FRAME:
             raise self._fail(f"{whom} sent a message of {length} bytes (more than {MAX_FRAME}): not a cam_jit rank")
         try:
-            message = json.loads(self._read(sock, length, whom, limit))
+            message = json.loads(self._read(sock, length, whom))
         except ValueError as err:
             raise self._fail(f"{whom} sent a malformed message: {err}") from err
         if not isinstance(message, dict):
@@ -280,15 +330,13 @@ class Rendezvous:
             raise self._fail(f"rank 0 refused this process: {message['error']}")
         return message
 
-    def _read(self, sock: socket.socket, count: int, whom: str, limit: Optional[float]) -> bytes:
+    def _read(self, sock: socket.socket, count: int, whom: str) -> bytes:
         data = b""
         while len(data) < count:
-            sock.settimeout(min(self._left(f"waiting for {whom}"), limit or float("inf")))
+            sock.settimeout(self._left(f"waiting for {whom}"))
             try:
                 chunk = sock.recv(count - len(data))
             except socket.timeout:
-                if limit is not None:
-                    raise self._fail(f"{whom} did not answer within {limit:g} s") from None
                 continue
             except OSError as err:
                 raise self._dropped(whom, err) from err
