@@ -77,7 +77,7 @@ def _watch_listeners(during):
 def loopback_comm(port):
     rank = dist.get_rank()
     if rank == 1:
-        time.sleep(0.5)  # rank 0 listens meanwhile
+        time.sleep(2.0)  # rank 0 listens meanwhile (the sampler needs to see it, even on a busy machine)
         cam_get_comm(30, 1, 2, f"127.0.0.1:{port}")
         cam_free_comm(30)
         return None
@@ -90,7 +90,7 @@ def loopback_buffer(port):
     rank = dist.get_rank()
     buf = FusedDeepMoeBuffer()
     if rank == 1:
-        time.sleep(0.5)
+        time.sleep(2.0)
         buf.init(1, 2, SMALL_MEMSIZE, f"tcp://127.0.0.1:{port}")
         buf.close()
         return None
