@@ -18,10 +18,15 @@ namespace cam_jit_cpu {
 // weight container: one stacked tensor with a leading expert dimension, one un-stacked tensor
 // (single local expert), or one tensor per expert (docs/semantics.md §1.3).
 inline at::Tensor expert_item(at::TensorList container, int64_t e, int64_t item_dim) {
-  if (container.size() == 1) {
+  const int64_t count = static_cast<int64_t>(container.size());
+  if (count == 1) {
     const at::Tensor& only = container[0];
+    TORCH_CHECK(only.dim() == item_dim + 1 ? e >= 0 && e < only.size(0) : e == 0,
+                "_cam_jit_cpu: local expert ", e, " is not in the weight container of shape ", only.sizes());
     return only.dim() == item_dim + 1 ? only.select(0, e) : only;
   }
+  TORCH_CHECK(e >= 0 && e < count, "_cam_jit_cpu: local expert ", e, " is not in a weight container of ", count,
+              " tensors");
   return container[e];
 }
 
