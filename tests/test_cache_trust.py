@@ -15,7 +15,8 @@ import pytest
 
 from cam_jit import jit
 from cam_jit.jit import core, trust
-from test_jit_engine import DATA, Procs, cache, child_env, entry_of, make_spec, procs, spec_arg, src  # noqa: F401
+from test_jit_engine import (DATA, Procs, cache, child_env, entry_of, make_spec, procs, replace_file,  # noqa: F401
+                             spec_arg, src)
 
 OTHER_UID = 65534  # "nobody": a user other than the one running the tests
 
@@ -91,7 +92,7 @@ def test_library_that_matches_its_manifest_but_does_not_load_is_rebuilt_once(src
     spec, entry = _built(src)
     manifest = json.loads((entry / "manifest.json").read_text())
     junk = b"not an ELF file"
-    (entry / manifest["library"]).write_bytes(junk)
+    replace_file(entry / manifest["library"], junk)  # this process maps the old inode: never truncate it
     (entry / "manifest.json").write_text(json.dumps(dict(manifest, size=len(junk),
                                                          sha256=hashlib.sha256(junk).hexdigest())))
     loaded = jit.load_spec(spec)
