@@ -71,7 +71,8 @@ def zb_positional(kw):
 def quantized(kw, local_experts):
     """The rows both paths send, quantised once outside the timing: (q [P, H] int8, scale [P]
     f32) in route order (which does not depend on the group)."""
-    route = _moe_cpu.plan_route("bench", kw["expert_ids"], kw["x"].shape[0], local_experts, None)
+    route = _moe_cpu.plan_route("bench", kw["expert_ids"], kw["x"].shape[0], local_experts, None,
+                                experts=kw["moe_expert_num"])
     return cpu_kernels().quantize_rows(kw["x"], None, route.token, None)
 
 
@@ -80,8 +81,7 @@ def gloo_comm(kw, local_experts, q, scale):
     route = _moe_cpu.plan_route("bench", kw["expert_ids"], kw["x"].shape[0], local_experts, dist.group.WORLD)
     received = _moe_cpu.send_rows("bench", route, q, scale, local_experts)
     y = _moe_cpu.return_rows("bench", route, received.rows.to(kw["x"].dtype))
-    batch, topk = kw["expert_ids"].shape
-    return cpu_kernels().combine(y, _moe_cpu.pair_rows(route, batch, topk), kw["expert_scales"], batch)
+    return cpu_kernels().combine(y, route.pair_rows, kw["expert_scales"], kw["x"].shape[0])
 
 
 def shm_comm(buf, kw, local_experts, q, scale):
@@ -89,12 +89,12 @@ def shm_comm(buf, kw, local_experts, q, scale):
     transport = buf._transport
     x = kw["x"]
     batch, topk = kw["expert_ids"].shape
-    route = _moe_cpu.plan_route("bench", kw["expert_ids"], batch, local_experts, None)
+    route = _moe_cpu.plan_route("bench", kw["expert_ids"], batch, local_experts, None, experts=kw["moe_expert_num"])
     send = torch.bincount(torch.div(route.expert, local_experts, rounding_mode="floor"),
                           minlength=transport.ranks).tolist()
     transport.begin(60.0)
     geo = transport.geometry(x.shape[1], x.dtype)
-    recv = transport.dispatch(geo, q, scale, route.expert, route.pos, send, local_experts)
+    recv = transport.dispatch(geo, q, scale, route.expert, route.pos, send, local_experts, {})
     rows, _, order, _ = transport.receive(geo, recv, local_experts)
     transport.send_results(geo, rows.to(x.dtype), order, recv)
     returned = transport.results(geo, x.dtype, send)
