@@ -6,8 +6,6 @@ import json
 import os
 import signal
 import stat
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,8 +13,8 @@ import pytest
 
 from cam_jit import jit
 from cam_jit.jit import core, trust
-from test_jit_engine import (DATA, Procs, cache, child_env, entry_of, make_spec, procs, replace_file,  # noqa: F401
-                             spec_arg, src)
+from test_jit_engine import (DATA, Procs, cache, child_env, entry_of, hold_lock, make_spec, procs,  # noqa: F401
+                             replace_file, spec_arg, src)
 
 OTHER_UID = 65534  # "nobody": a user other than the one running the tests
 
@@ -104,12 +102,8 @@ def test_build_lock_wait_is_bounded(src, cache, procs, monkeypatch):  # noqa: F8
     spec = make_spec(src, "tiny")
     lock = entry_of(spec).with_name(entry_of(spec).name + ".lock")
     trust.make_dirs(lock.parent)
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time, filelock; l = filelock.UnixFileLock(sys.argv[1]);"
-         "l.acquire(); print('held', flush=True); time.sleep(60)", str(lock)],
-        stdout=subprocess.PIPE, text=True, start_new_session=True)
+    holder = hold_lock(lock, 60)
     procs.procs.append(holder)
-    assert holder.stdout.readline().strip() == "held"
     monkeypatch.setenv("CAM_JIT_BUILD_LOCK_TIMEOUT", "1.5")
     start = time.monotonic()
     with pytest.raises(jit.BuildError) as waited:

@@ -12,6 +12,7 @@ import cam_jit
 from cam_jit import jit
 from cam_jit.__main__ import main
 from cam_jit.jit import core
+from test_jit_engine import hold_lock
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "jit_data"
@@ -55,12 +56,8 @@ def test_build_prints_the_entry_then_doctor_lists_it_then_clean_removes_it(capsy
 def test_clean_skips_an_entry_being_built(capsys):
     assert main(["build", "--backend", "tiny"]) == 0
     entry = Path(capsys.readouterr().out.strip())
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time, filelock; l = filelock.UnixFileLock(sys.argv[1]);"
-         "l.acquire(); print('held', flush=True); time.sleep(60)", f"{entry}.lock"],
-        stdout=subprocess.PIPE, text=True, start_new_session=True)
+    holder = hold_lock(f"{entry}.lock", 60)
     try:
-        assert holder.stdout.readline().strip() == "held"
         assert main(["clean"]) == 0
         assert f"skipped {entry}" in capsys.readouterr().out and entry.is_dir()
     finally:

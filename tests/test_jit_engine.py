@@ -133,6 +133,33 @@ def replace_file(path, data):
     os.replace(tmp, path)
 
 
+def hold_lock(lock, seconds: float) -> subprocess.Popen:
+    """A process of its own session holding the file lock at `lock` for `seconds`; returns once it
+    holds it (the caller kills its process group)."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time, filelock; l = filelock.UnixFileLock(sys.argv[1]);"
+         "l.acquire(); print('held', flush=True); time.sleep(float(sys.argv[2]))", str(lock), str(seconds)],
+        stdout=subprocess.PIPE, text=True, start_new_session=True)
+    if holder.stdout.readline().strip() != "held":
+        os.killpg(holder.pid, signal.SIGKILL)
+        holder.communicate()
+        raise AssertionError(f"the lock holder never took {lock}")
+    return holder
+
+
+def as_nobody() -> list:
+    """The command prefix that runs a process as uid 65534; skips the test where setpriv is missing
+    or that user cannot run Python on this checkout."""
+    if not shutil.which("setpriv"):
+        pytest.skip("setpriv is not installed")
+    prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    probe = subprocess.run([*prefix, sys.executable, "-c", f"import os; os.listdir({str(REPO)!r})"],
+                           capture_output=True, timeout=60)
+    if probe.returncode != 0:
+        pytest.skip(f"user 65534 cannot run Python on this checkout: {probe.stderr[-200:]!r}")
+    return prefix
+
+
 # ------------------------------------------------------------------------------- cache key
 
 def test_key_changes_with_every_input(src, monkeypatch):
@@ -289,13 +316,7 @@ def test_warm_load_spawns_nothing_even_without_toolchain(torch_op_cache, procs):
 
 
 def test_read_only_cache_as_unprivileged_user(torch_op_cache, procs):
-    if not shutil.which("setpriv"):
-        pytest.skip("setpriv is not installed")
-    prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-    probe = subprocess.run([*prefix, sys.executable, "-c", f"import os; os.listdir({str(REPO)!r})"],
-                           capture_output=True, timeout=60)
-    if probe.returncode != 0:
-        pytest.skip(f"user 65534 cannot run Python on this checkout: {probe.stderr[-200:]!r}")
+    prefix = as_nobody()
     shared = Path(tempfile.mkdtemp(prefix="cam_jit_ro_"))
     try:
         os.chmod(shared, 0o755)
@@ -447,12 +468,7 @@ def test_waiter_says_what_it_waits_for(src, caplog, monkeypatch, procs):
     spec = make_spec(src, "tiny")
     lock = entry_of(spec).with_name(entry_of(spec).name + ".lock")
     lock.parent.mkdir(parents=True)
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time, filelock; l = filelock.UnixFileLock(sys.argv[1]);"
-         "l.acquire(); print('held', flush=True); time.sleep(1.5)", str(lock)],
-        stdout=subprocess.PIPE, text=True, start_new_session=True)
-    procs.procs.append(holder)
-    assert holder.stdout.readline().strip() == "held"
+    procs.procs.append(hold_lock(lock, 1.5))
     monkeypatch.setattr(core, "WAIT_LOG_FIRST", 0.3)
     monkeypatch.setattr(core, "WAIT_LOG_EVERY", 0.3)
     start = time.monotonic()
