@@ -8,9 +8,9 @@ against the targets (no asserts):
   ``torch.utils.cpp_extension.load`` cache hit (median over fresh processes, time around the call;
   subprocesses started during the call counted with an audit hook);
 - ``import cam_jit`` on top of ``import torch``;
-- 8 processes starting cold together vs one cold process (wall time until all have loaded).
+- `--concurrent` (8) processes starting cold together vs one cold process (wall time until all have loaded).
 
-usage: python benchmarks/bench_jit.py [--backend cpu] [--tiny] [--runs 7]
+usage: python benchmarks/bench_jit.py [--backend cpu] [--tiny] [--runs 7] [--concurrent 8]
 ``--tiny`` benchmarks tests/jit_data/torch_op.cpp (one small TORCH_LIBRARY op) instead of a real
 backend, for developing the engine before the kernels exist.
 """
@@ -94,6 +94,7 @@ def main():
     parser.add_argument("--backend", default="cpu")
     parser.add_argument("--tiny", action="store_true", help="use tests/jit_data/torch_op.cpp")
     parser.add_argument("--runs", type=int, default=7, help="fresh processes per median")
+    parser.add_argument("--concurrent", type=int, default=8, help="processes starting cold together")
     args = parser.parse_args()
 
     sys.path.insert(0, str(REPO))
@@ -112,12 +113,12 @@ def main():
     print(f"benchmarking the {spec.backend} backend ({len(spec.sources)} sources), "
           f"{args.runs} fresh processes per median")
     try:
-        measure(cfg, work, args.runs)
+        measure(cfg, work, args.runs, args.concurrent)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def measure(cfg, work, runs):
+def measure(cfg, work, runs, concurrent):
     """Run every measurement in fresh processes under ``work`` and print the results."""
     (cold,), cold_wall = child("load", cfg, work / "cold")
     if not cold["built"]:
@@ -131,7 +132,7 @@ def measure(cfg, work, runs):
     imports = [child("import", cfg, work / "cold")[0][0] for _ in range(runs)]
     import_torch = statistics.median(r["import_torch_ms"] for r in imports)
     import_cam_jit = statistics.median(r["import_cam_jit_ms"] for r in imports)
-    many, many_wall = child("load", cfg, work / "concurrent", count=8)
+    many, many_wall = child("load", cfg, work / "concurrent", count=concurrent)
     builders = sum(r["built"] for r in many)
 
     def row(name, value, target, ok):
@@ -150,13 +151,13 @@ def measure(cfg, work, runs):
     row("import cam_jit over import torch",
         f"{import_cam_jit:.1f} ms (torch {import_torch:.0f} ms)",
         "<= 50 ms", import_cam_jit <= 50)
-    row("8 concurrent cold vs 1 cold (wall)",
+    row(f"{concurrent} concurrent cold vs 1 cold (wall)",
         f"{many_wall:.1f} s vs {cold_wall:.1f} s = {many_wall / cold_wall:.2f}x, "
         f"{builders} built", "<= 3x, 1 builder", many_wall <= 3 * cold_wall and builders == 1)
     slowest = max(r["ms"] for r in many)
     row("  same, slowest time in load() vs 1 cold", f"{slowest / 1e3:.1f} s vs "
         f"{cold['ms'] / 1e3:.1f} s = {slowest / cold['ms']:.2f}x", "-", True)
-    print(f"  (8 concurrent `import torch`: median "
+    print(f"  ({concurrent} concurrent `import torch`: median "
           f"{statistics.median(r['import_torch_ms'] for r in many) / 1e3:.1f} s each)")
     print(f"(PYTHONDONTWRITEBYTECODE={os.environ.get('PYTHONDONTWRITEBYTECODE', '')!r}: "
           "when set, import times include compiling cam_jit's .py files)")
