@@ -8,7 +8,7 @@ against the targets (no asserts):
   ``torch.utils.cpp_extension.load`` cache hit (median over fresh processes, time around the call;
   subprocesses started during the call counted with an audit hook);
 - ``import cam_jit`` on top of ``import torch``;
-- `--concurrent` (8) processes starting cold together vs one cold process (wall time until all have loaded).
+- ``--concurrent`` (8) processes starting cold together vs one cold process (wall time until all have loaded).
 
 usage: python benchmarks/bench_jit.py [--backend cpu] [--tiny] [--runs 7] [--concurrent 8]
 ``--tiny`` benchmarks tests/jit_data/torch_op.cpp (one small TORCH_LIBRARY op) instead of a real
