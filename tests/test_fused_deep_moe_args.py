@@ -4,6 +4,7 @@ import sys
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import cam_jit
 from cam_jit.ops.weights import pack_int4, w4a8_compensation_bias
@@ -217,20 +218,42 @@ W4A8_CASES = [
 ]
 
 
-def _expect_error(args, exc, fragments):
+class SeenOps(TorchDispatchMode):
+    """Runs every op that reaches the dispatcher, recording its name: under it the public function
+    must call the registered op, as under torch.compile, export, fake tensors or opcheck."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _expect_error(args, exc, fragments, path="direct"):
+    seen = SeenOps()
     with pytest.raises(exc) as info:
-        cam_jit.fused_deep_moe(**args)
+        if path == "dispatcher":
+            with seen:
+                cam_jit.fused_deep_moe(**args)
+        else:
+            cam_jit.fused_deep_moe(**args)
     message = str(info.value)
     assert message.startswith("fused_deep_moe"), message
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} not in {message!r}"
+    return seen.seen
 
 
+@pytest.mark.parametrize("path", ["direct", "dispatcher"])
 @pytest.mark.parametrize("overrides,exc,fragments", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_bad_argument(overrides, exc, fragments):
+def test_bad_argument(overrides, exc, fragments, path):
+    """Each bad input fails alike whether the public call runs the CPU implementation directly or
+    through the registered op."""
     args = good_args()
     args.update(overrides)
-    _expect_error(args, exc, fragments)
+    _expect_error(args, exc, fragments, path)
 
 
 @pytest.mark.parametrize("overrides,exc,fragments", [c[1:] for c in W4A8_CASES], ids=[c[0] for c in W4A8_CASES])
@@ -253,6 +276,37 @@ def test_good_w4a8_arguments_pass_validation(variant):
     args.update({"stacked": {}, "per-expert": per_expert_w4a8(), "shared": shared_w4a8()}[variant])
     out, share_out, counts = cam_jit.fused_deep_moe(**args)
     assert out.shape == (BS, H) and share_out.shape == (BS, H) and counts.tolist() == [1, 2, 2, 2]
+
+
+def test_the_cpu_implementation_is_called_directly_only_where_nothing_could_tell(monkeypatch):
+    """The public call skips the dispatcher hop for plain CPU tensors without autograd to record,
+    with the dispatcher's result; any mode, the profiler, a tensor subclass or an input that
+    requires grad sends it through the registered op."""
+    fdm = sys.modules["cam_jit.ops.fused_deep_moe"]
+    direct = []
+    real = fdm._cpu  # the registered kernel keeps the original: only direct calls are counted
+    monkeypatch.setattr(fdm, "_cpu", lambda *args: direct.append(1) or real(*args))
+    args = good_args()
+    with torch.inference_mode():
+        first = cam_jit.fused_deep_moe(**args)
+    with torch.no_grad():
+        cam_jit.fused_deep_moe(**dict(args, gmm1_weight=torch.nn.Parameter(args["gmm1_weight"], requires_grad=False)))
+    cam_jit.fused_deep_moe(**args)  # grad mode, but nothing requires grad
+    assert len(direct) == 3
+
+    class Marked(torch.Tensor):
+        pass
+
+    seen = SeenOps()
+    with seen:
+        via_op = cam_jit.fused_deep_moe(**args)
+    with torch.profiler.profile() as prof:
+        cam_jit.fused_deep_moe(**args)
+    cam_jit.fused_deep_moe(**dict(args, expert_scales=args["expert_scales"].as_subclass(Marked)))
+    cam_jit.fused_deep_moe(**dict(args, gmm2_weight_scale=[args["gmm2_weight_scale"].requires_grad_(True)]))
+    assert len(direct) == 3 and "cam_jit.fused_deep_moe.default" in seen.seen
+    assert "cam_jit::fused_deep_moe" in {event.name for event in prof.events()}
+    assert all(torch.equal(a, b) for a, b in zip(first, via_op))
 
 
 def test_backward_is_refused():

@@ -24,6 +24,11 @@ CASES = {
     "expert_ffn-stacked": "cpu.expert_ffn_w8a8(q, a, [2, 2], [w1[None]], [s1[None]], [w2[None]], [s2[None]], torch.bfloat16)",
     "combine-rows": "cpu.combine(torch.zeros(2, 8, dtype=torch.bfloat16), torch.tensor([[5]]), torch.ones(1, 1), 1)",
     "quantize-index": "cpu.quantize_rows(torch.zeros(2, 8, dtype=torch.bfloat16), None, torch.tensor([7]), None)",
+    # x with fewer rows than expert_ids, and smooth scales for fewer experts than the ids name
+    "route_and_quantize-rows": "cpu.route_and_quantize(torch.zeros(1, 8, dtype=torch.bfloat16), "
+                               "torch.tensor([[0, 1], [1, 0]], dtype=torch.int32), 2, 4, None)",
+    "route_and_quantize-smooth": "cpu.route_and_quantize(torch.zeros(1, 8, dtype=torch.bfloat16), "
+                                 "torch.tensor([[3]], dtype=torch.int32), 1, 4, torch.ones(2, 8))",
     "zb-region": "zb.region(4096, [16], torch.int64)",
     "zb-put_rows": "zb.put_rows([4096], q, a, torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64), [4], 1, 32, 1)",
     "zb-take_rows": "zb.take_rows(4096, [1], 4, 32, 8, 1, 1)",

@@ -103,18 +103,30 @@ def test_lowlatency_mismatch_raises_on_every_rank(rank_pool):
         assert combine[0] == "ValueError" and "argument 'expand_x.shape[1]'" in combine[1], combine
 
 
-def one_rank_refuses():
+# a bad argument of rank 1 -> its exception and what its message names
+REFUSALS = {
+    "dtype": ("TypeError", "'expert_scales'"),
+    "expert id": ("ValueError", "'expert_ids': expected values in [-1, 4) (-1 skips a slot; moe_expert_num = 4), "
+                                "got a value 4"),  # found by the C++ routing, named as the argument
+}
+
+
+def one_rank_refuses(bad):
     """Rank 1 passes a bad argument: it raises its own error, rank 0 at once that rank 1 refused."""
     rank = dist.get_rank()
     kw = make_rank_case(43, rank, ranks=2, bs=3, **TINY)
-    if rank == 1:
+    if rank == 1 and bad == "dtype":
         kw["expert_scales"] = kw["expert_scales"].double()
+    if rank == 1 and bad == "expert id":
+        kw["expert_ids"][0, 0] = TINY["experts"]
     return _outcome(lambda: cam_jit.fused_deep_moe(**kw))
 
 
-def test_a_refusing_rank_makes_its_peers_raise_at_once(rank_pool):
-    own, peer = rank_pool(2).run(one_rank_refuses)[::-1]
-    assert own[0] == "TypeError" and "'expert_scales'" in own[1], own
+@pytest.mark.parametrize("bad", sorted(REFUSALS))
+def test_a_refusing_rank_makes_its_peers_raise_at_once(rank_pool, bad):
+    own, peer = rank_pool(2).run(one_rank_refuses, bad)[::-1]
+    kind, named = REFUSALS[bad]
+    assert own[0] == kind and named in own[1], own
     assert peer[0] == "ValueError" and "rank(s) [1]" in peer[1] and "rejected their arguments" in peer[1], peer
     assert peer[2] < 10
 

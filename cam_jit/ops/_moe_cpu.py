@@ -46,17 +46,25 @@ def plan_route(op: str, expert_ids: torch.Tensor, active: int, local_experts: in
                group: Optional["dist.ProcessGroup"], agreed: Optional[Dict[str, object]] = None,
                experts: Optional[int] = None) -> Route:
     """Routes the first `active` rows of expert_ids [BS, K] int32 (validated ids in [-1, E); -1 is
-    skipped; E = `experts`, by default local_experts times the group's ranks) in one C++ pass and,
-    with a group, exchanges the per-rank pair counts together with `agreed` (what every rank must
-    share, see `_exchange.agree`): every rank raises if a peer disagrees or announces impossible
-    counts."""
+    skipped; E = `experts`, by default local_experts times the group's ranks) in one C++ pass, then
+    :func:`exchange_route`."""
     ranks = 1 if group is None else dist.get_world_size(group)
     experts = local_experts * ranks if experts is None else experts
-    pos, token, expert, counts, rows = cpu_kernels().route_pairs(expert_ids, active, experts)
+    pairs = cpu_kernels().route_pairs(expert_ids, active, experts)
+    return exchange_route(op, pairs, active * expert_ids.shape[1], local_experts, group, agreed)
+
+
+def exchange_route(op: str, pairs: Sequence[torch.Tensor], most: int, local_experts: int,
+                   group: Optional["dist.ProcessGroup"], agreed: Optional[Dict[str, object]] = None) -> Route:
+    """The Route of the C++ route_pairs' (pos, token, expert, counts, pair_rows) of at most `most`
+    pairs. With a group, exchanges the per-rank pair counts together with `agreed` (what every rank
+    must share, see `_exchange.agree`): every rank raises if a peer disagrees or announces
+    impossible counts."""
+    pos, token, expert, counts, rows = pairs
     if group is None:
         return Route(pos, token, expert, counts, rows, [pos.numel()], [pos.numel()], None)
-    send = counts.view(ranks, local_experts).sum(1).tolist()
-    recv = exchange_counts(op, group, send, active * expert_ids.shape[1], agreed or {})
+    send = counts.view(dist.get_world_size(group), local_experts).sum(1).tolist()
+    recv = exchange_counts(op, group, send, most, agreed or {})
     return Route(pos, token, expert, counts, rows, send, recv, group)
 
 

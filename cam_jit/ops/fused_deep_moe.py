@@ -7,6 +7,7 @@ The CPU implementation dispatches quantised tokens to the ranks that own their e
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -272,14 +273,21 @@ _VERDICTS: Dict[tuple, Layout] = {}  # argument signature -> validate's Layout, 
 _VERDICTS_MAX = 256  # distinct signatures kept (shapes vary with the batch); then the cache is reset
 
 
-def _signature(value: object) -> object:
-    """What validate's verdict depends on in one argument: a tensor's dtype, device and shape,
-    a list's items, and any other value itself (never tensor data)."""
-    if isinstance(value, torch.Tensor):
-        return value.dtype, value.device, value.shape
-    if isinstance(value, list):
-        return tuple(_signature(v) for v in value)
-    return value
+def _signature(values: Sequence[object]) -> tuple:
+    """What validate's verdict depends on in the arguments `values`: each tensor's dtype, device
+    and shape, each list's items, and any other value itself (never tensor data)."""
+    key = []
+    for v in values:
+        kind = type(v)
+        if v is None or kind is int or kind is str:
+            key.append(v)
+        elif kind is list:
+            key.append(tuple([(t.dtype, t.device, t.shape) for t in v]))
+        elif isinstance(v, torch.Tensor):
+            key.append((v.dtype, v.device, v.shape))
+        else:
+            key.append(v)
+    return tuple(key)
 
 
 def validated(args: Dict[str, object]) -> Layout:
@@ -287,7 +295,7 @@ def validated(args: Dict[str, object]) -> Layout:
     of every argument): validate reads only those, so an equal signature has the same verdict.
     Only successes are kept; a failing call raises every time. Not for fake tensors (symbolic
     shapes must be checked, and guarded, at every trace)."""
-    key = tuple(_signature(v) for v in args.values())
+    key = _signature(args.values())
     layout = _VERDICTS.get(key)
     if layout is None:
         layout = validate(**args)
@@ -342,34 +350,44 @@ def agreed_values(layout: Layout, x: torch.Tensor, weight_dtype: torch.dtype, mo
                              quant_mode)))
 
 
+def _route_and_quantize(kernels, x, expert_ids, active: int, experts: int, smooth):
+    """The C++ route_and_quantize (route_pairs' five tensors, then q [P, H] int8 and its scales [P]):
+    routing checks every id; when one is out of range the error names the argument as
+    _check_expert_ids does."""
+    try:
+        return kernels.route_and_quantize(x, expert_ids, active, experts, smooth)
+    except RuntimeError as err:
+        routing_error = err
+    _check_expert_ids(expert_ids[:active], experts)
+    raise routing_error
+
+
 def _cpu(x, expert_ids, gmm1_weight, gmm1_weight_scale, gmm2_weight, gmm2_weight_scale, expert_scales,
          share_gmm1_weight, share_gmm1_weight_scale, share_gmm2_weight, share_gmm2_weight_scale,
          expert_smooth_scales, share_smooth_scales, x_active_mask, gmm1_bias, gmm2_bias, share_gmm1_bias,
          share_gmm2_bias, group_ep, ep_rank_size, ep_rank_id, moe_expert_num, quant_mode, global_bs):
     args = dict(locals())  # the schema's arguments by name
-    check.expert_parallel(OP, "ep_rank_size", ep_rank_size, ep_rank_id, moe_expert_num, global_bs)
-    group = resolve_group(OP, group_ep, ep_rank_size, ep_rank_id) if ep_rank_size > 1 else None
+    group = None
+    if ep_rank_size != 1:  # with one rank, validate checks the EP attributes first
+        check.expert_parallel(OP, "ep_rank_size", ep_rank_size, ep_rank_id, moe_expert_num, global_bs)
+        group = resolve_group(OP, group_ep, ep_rank_size, ep_rank_id)
     try:
         layout = validated(args)
         active = layout.batch if x_active_mask is None else int(x_active_mask.sum())
-        _check_expert_ids(expert_ids[:active], moe_expert_num)
+        kernels = cpu_kernels()  # after validation: bad arguments fail without a kernel build
+        pos, token, expert, counts, pair_rows, q, q_scale = _route_and_quantize(
+            kernels, x, expert_ids, active, moe_expert_num, expert_smooth_scales)
     except (TypeError, ValueError) as err:
         _moe_cpu.refuse(OP, group, AGREED, err)
-    agreed = agreed_values(layout, x, gmm1_weight[0].dtype, moe_expert_num, quant_mode)
-    kernels = cpu_kernels()
-    route = _moe_cpu.plan_route(OP, expert_ids, active, layout.local_experts, group, agreed)
-    smooth = expert_smooth_scales
-    if smooth is None:  # a pair's quantised row depends only on its token: quantise each token once
-        q_token, scale_token = kernels.quantize_rows(x[:active], None, None, None)
-        q, q_scale = q_token.index_select(0, route.token), scale_token.index_select(0, route.token)
-    else:
-        q, q_scale = kernels.quantize_rows(x, smooth, route.token, route.expert)
     weights = (gmm1_weight, gmm1_weight_scale, gmm1_bias, gmm2_weight, gmm2_weight_scale, gmm2_bias)
     shared = []  # the shared expert's output, computed while the routed rows are in flight
     if group is None:  # one rank: the route order is already grouped by expert
-        expert_token_nums = route.expert_counts
-        y = _expert_ffn(kernels, layout, q, q_scale, expert_token_nums.tolist(), *weights, x.dtype)
+        expert_token_nums = counts
+        y = _expert_ffn(kernels, layout, q, q_scale, counts.tolist(), *weights, x.dtype)
     else:
+        agreed = agreed_values(layout, x, gmm1_weight[0].dtype, moe_expert_num, quant_mode)
+        route = _moe_cpu.exchange_route(OP, (pos, token, expert, counts, pair_rows), active * layout.topk,
+                                        layout.local_experts, group, agreed)
         received = _moe_cpu.send_rows(OP, route, q, q_scale, layout.local_experts,
                                       meanwhile=lambda: shared.append(shared_expert_output(kernels, layout, args)))
         expert_token_nums = torch.bincount(received.local_expert, minlength=layout.local_experts)
@@ -379,7 +397,7 @@ def _cpu(x, expert_ids, gmm1_weight, gmm1_weight_scale, gmm2_weight, gmm2_weight
         y = torch.empty_like(y_grouped)
         y[by_expert] = y_grouped
         y = _moe_cpu.return_rows(OP, route, y)
-    output = kernels.combine(y, route.pair_rows, expert_scales, active)
+    output = kernels.combine(y, pair_rows, expert_scales, active)
 
     share_output = shared[0] if shared else shared_expert_output(kernels, layout, args)
     return [output, share_output, expert_token_nums]
@@ -401,6 +419,63 @@ def shared_expert_output(kernels, layout: Layout, args: dict) -> torch.Tensor:
 
 
 define_op(OpInfo(OP, SCHEMA), _fake, _cpu)
+
+_ARGUMENTS = tuple(inspect.signature(_cpu).parameters)  # the schema's argument names, in order
+_OPTIONAL_TENSORS = ("share_gmm1_weight", "share_gmm1_weight_scale", "share_gmm2_weight", "share_gmm2_weight_scale",
+                     "expert_smooth_scales", "share_smooth_scales", "x_active_mask", "share_gmm1_bias",
+                     "share_gmm2_bias")
+_INTS = ("ep_rank_size", "ep_rank_id", "moe_expert_num", "quant_mode", "global_bs")
+_CONTAINERS = ("gmm1_weight", "gmm1_weight_scale", "gmm2_weight", "gmm2_weight_scale", "gmm1_bias", "gmm2_bias")
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # exact types whose ops nothing intercepts
+
+
+def _plain_containers(required: Sequence[object], optional: Sequence[object], ints: Sequence[object],
+                      containers: Sequence[object]) -> Optional[Tuple[List[torch.Tensor], ...]]:
+    """The weight containers as the schema's lists (see check.weight_list) when every argument has
+    an exact type nothing intercepts: `required` and `optional` (or None) tensors of
+    _PLAIN_TENSORS, `ints` of int, each container such a tensor, a list or tuple of them, or
+    None. None otherwise (a wrong type, a subclass or an int subclass): the caller then runs
+    the checks that name the argument."""
+    plain = _PLAIN_TENSORS
+    for t in required:
+        if type(t) not in plain:
+            return None
+    for t in optional:
+        if t is not None and type(t) not in plain:
+            return None
+    for v in ints:
+        if type(v) is not int:
+            return None
+    lists = []
+    for c in containers:
+        kind = type(c)
+        if kind in plain:
+            lists.append([c])
+        elif c is None:
+            lists.append([])
+        elif kind is list or kind is tuple:
+            for t in c:
+                if type(t) not in plain:
+                    return None
+            lists.append(list(c))
+        else:
+            return None
+    return tuple(lists)
+
+
+def _runs_directly(x: torch.Tensor, tensors: Sequence[Optional[torch.Tensor]],
+                   containers: Sequence[List[torch.Tensor]]) -> bool:
+    """Whether a call whose tensors are all of _PLAIN_TENSORS may run the CPU implementation `_cpu`
+    in place of its dispatcher hop (`torch.ops.cam_jit.fused_deep_moe`, which would call `_cpu`
+    with the same arguments): CPU tensors, no autograd to record, and nothing that must see the op
+    (a jit trace, dispatch or function modes, functorch transforms, the profiler; the caller has
+    excluded torch.compile and export)."""
+    torch_c = torch._C
+    if (not x.is_cpu or torch_c._len_torch_dispatch_stack()
+            or torch_c._is_torch_function_mode_enabled() or torch_c._functorch.peek_interpreter_stack() is not None
+            or torch_c._get_tracing_state() is not None or torch_c._autograd._profiler_enabled()):
+        return False
+    return not (torch.is_grad_enabled() and torch_c._any_requires_grad(*tensors, *containers))
 
 
 def fused_deep_moe(
@@ -481,34 +556,28 @@ def fused_deep_moe(
          share_output [BS, H] x.dtype: shared-expert output, zeros without a shared expert,
          expert_token_nums [E_loc] int64: (token, k) pairs this rank's experts received).
     """
-    for arg, value in (("x", x), ("expert_ids", expert_ids), ("expert_scales", expert_scales)):
-        check.tensor(OP, arg, value)
-    for arg, value in (("share_gmm1_weight", share_gmm1_weight), ("share_gmm1_weight_scale", share_gmm1_weight_scale),
-                       ("share_gmm2_weight", share_gmm2_weight), ("share_gmm2_weight_scale", share_gmm2_weight_scale),
-                       ("expert_smooth_scales", expert_smooth_scales), ("share_smooth_scales", share_smooth_scales),
-                       ("x_active_mask", x_active_mask), ("share_gmm1_bias", share_gmm1_bias),
-                       ("share_gmm2_bias", share_gmm2_bias)):
-        check.optional_tensor(OP, arg, value)
-    for arg, value in (("ep_rank_size", ep_rank_size), ("ep_rank_id", ep_rank_id), ("moe_expert_num", moe_expert_num),
-                       ("quant_mode", quant_mode), ("global_bs", global_bs)):
-        check.integer(OP, arg, value)
-    args = dict(
-        x=x, expert_ids=expert_ids,
-        gmm1_weight=check.weight_list(OP, "gmm1_weight", gmm1_weight),
-        gmm1_weight_scale=check.weight_list(OP, "gmm1_weight_scale", gmm1_weight_scale),
-        gmm2_weight=check.weight_list(OP, "gmm2_weight", gmm2_weight),
-        gmm2_weight_scale=check.weight_list(OP, "gmm2_weight_scale", gmm2_weight_scale),
-        expert_scales=expert_scales, share_gmm1_weight=share_gmm1_weight,
-        share_gmm1_weight_scale=share_gmm1_weight_scale, share_gmm2_weight=share_gmm2_weight,
-        share_gmm2_weight_scale=share_gmm2_weight_scale, expert_smooth_scales=expert_smooth_scales,
-        share_smooth_scales=share_smooth_scales, x_active_mask=x_active_mask,
-        gmm1_bias=check.weight_list(OP, "gmm1_bias", gmm1_bias), gmm2_bias=check.weight_list(OP, "gmm2_bias", gmm2_bias),
-        share_gmm1_bias=share_gmm1_bias, share_gmm2_bias=share_gmm2_bias,
-        group_ep=group_ep_name(OP, group_ep), ep_rank_size=ep_rank_size, ep_rank_id=ep_rank_id,
-        moe_expert_num=moe_expert_num, quant_mode=quant_mode, global_bs=global_bs,
-    )
+    required = (x, expert_ids, expert_scales)
+    optional = (share_gmm1_weight, share_gmm1_weight_scale, share_gmm2_weight, share_gmm2_weight_scale,
+                expert_smooth_scales, share_smooth_scales, x_active_mask, share_gmm1_bias, share_gmm2_bias)
+    ints = (ep_rank_size, ep_rank_id, moe_expert_num, quant_mode, global_bs)
+    given = (gmm1_weight, gmm1_weight_scale, gmm2_weight, gmm2_weight_scale, gmm1_bias, gmm2_bias)
+    # torch.compile and export trace the checks below and the registered op, never the direct path
+    containers = None if torch.compiler.is_compiling() else _plain_containers(required, optional, ints, given)
+    plain = containers is not None
+    if not plain:  # the checks that name an argument of a wrong type
+        for arg, value in zip(("x", "expert_ids", "expert_scales"), required):
+            check.tensor(OP, arg, value)
+        for arg, value in zip(_OPTIONAL_TENSORS, optional):
+            check.optional_tensor(OP, arg, value)
+        for arg, value in zip(_INTS, ints):
+            check.integer(OP, arg, value)
+        containers = tuple(check.weight_list(OP, arg, value) for arg, value in zip(_CONTAINERS, given))
+    values = (x, expert_ids, *containers[:4], expert_scales, *optional[:7], *containers[4:], *optional[7:],
+              group_ep_name(OP, group_ep), *ints)  # the schema's order
     if strict_enabled(strict):
         from cam_jit.ops.fused_deep_moe_strict import check_strict
 
-        check_strict(args)
-    return tuple(torch.ops.cam_jit.fused_deep_moe(**args))
+        check_strict(dict(zip(_ARGUMENTS, values)))
+    if plain and _runs_directly(x, (*required, *optional), containers):
+        return tuple(_cpu(*values))
+    return tuple(torch.ops.cam_jit.fused_deep_moe(*values))

@@ -1,6 +1,8 @@
 // Routing of fused_deep_moe's (token, k) pairs in one pass: the pairs of the active tokens sorted
 // stably by global expert id (a counting sort), per-expert pair counts, and each pair's row in
 // that order.
+#include "routing.h"
+
 #include "moe_common.h"
 
 #include <ATen/ops/empty.h>
@@ -10,11 +12,7 @@
 #include <vector>
 
 namespace cam_jit_cpu {
-namespace {
 
-// expert_ids [BS, K] int32 (ids in [-1, experts); -1 skips the pair); the first `active` rows are
-// routed. Returns (pos [P] int64 = t*K + k, token [P] int64 = t, expert [P] int64, counts
-// [experts] int64, pair_rows [BS, K] int64: the pair's index in that order, -1 if not routed).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> route_pairs(const at::Tensor& expert_ids,
                                                                                    int64_t active, int64_t experts) {
   check_cpu(expert_ids, "expert_ids");
@@ -60,7 +58,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> route_pai
   return {pos, token, expert, counts, pair_rows};
 }
 
-}  // namespace
 }  // namespace cam_jit_cpu
 
 TORCH_LIBRARY_FRAGMENT(_cam_jit_cpu, m) {

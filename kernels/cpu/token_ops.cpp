@@ -2,6 +2,7 @@
 #include "elementwise.h"
 #include "int8_gemm.h"
 #include "moe_common.h"
+#include "routing.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -9,6 +10,7 @@
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
+#include <cstring>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -111,6 +113,40 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x,
   return {q, scale};
 }
 
+// route_pairs, then each routed pair's quantised row and scale in route order (docs/semantics.md §1.8
+// step 1): with smooth_scales [E, H] pair (t, k) quantises x[t] * smooth_scales[expert]; without,
+// each active token is quantised once and its row copied to each of its pairs. Returns route_pairs'
+// five tensors, then q [P, H] int8 and scale [P] float32.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> route_and_quantize(
+    const at::Tensor& x, const at::Tensor& expert_ids, int64_t active, int64_t experts,
+    const c10::optional<at::Tensor>& smooth_scales) {
+  auto [pos, token, expert, counts, pair_rows] = route_pairs(expert_ids, active, experts);
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == expert_ids.size(0), "_cam_jit_cpu::route_and_quantize: x must be [",
+              expert_ids.size(0), ", H] (the rows of expert_ids), got ", x.sizes());
+  if (smooth_scales.has_value()) {
+    auto [q, scale] = quantize_rows(x, smooth_scales, token, expert);
+    return {pos, token, expert, counts, pair_rows, q, scale};
+  }
+  auto [q_token, scale_token] = quantize_rows(x.narrow(0, 0, active), c10::nullopt, c10::nullopt, c10::nullopt);
+  const int64_t pairs = token.numel(), hidden = x.size(1);
+  at::Tensor q = at::empty({pairs, hidden}, q_token.options());
+  at::Tensor scale = at::empty({pairs}, scale_token.options());
+  const int64_t* t = token.data_ptr<int64_t>();
+  const int8_t* q_from = q_token.data_ptr<int8_t>();
+  const float* scale_from = scale_token.data_ptr<float>();
+  int8_t* q_to = q.data_ptr<int8_t>();
+  float* scale_to = scale.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(hidden, 1));
+  at::parallel_for(0, pairs, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      std::memcpy(q_to + i * hidden, q_from + t[i] * hidden, static_cast<size_t>(hidden));
+      scale_to[i] = scale_from[t[i]];
+    }
+  });
+  return {pos, token, expert, counts, pair_rows, q, scale};
+}
+
 // docs/semantics.md §1.8 step 5. y holds one expert result per routed pair; pair_rows[t, k] is the row of
 // y for pair (t, k), or -1 for a skipped pair. Rows t >= active_count are zero.
 at::Tensor combine(const at::Tensor& y, const at::Tensor& pair_rows, const at::Tensor& weights,
@@ -182,10 +218,14 @@ at::Tensor combine(const at::Tensor& y, const at::Tensor& pair_rows, const at::T
 
 TORCH_LIBRARY_FRAGMENT(_cam_jit_cpu, m) {
   m.def("quantize_rows(Tensor x, Tensor? smooth_scales, Tensor? x_index, Tensor? smooth_index) -> (Tensor, Tensor)");
+  m.def(
+      "route_and_quantize(Tensor x, Tensor expert_ids, int active, int experts, Tensor? smooth_scales) -> "
+      "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("combine(Tensor y, Tensor pair_rows, Tensor weights, int active_count) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(_cam_jit_cpu, CPU, m) {
   m.impl("quantize_rows", &cam_jit_cpu::quantize_rows);
+  m.impl("route_and_quantize", &cam_jit_cpu::route_and_quantize);
   m.impl("combine", &cam_jit_cpu::combine);
 }
