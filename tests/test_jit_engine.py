@@ -22,7 +22,7 @@ import torch
 
 import cam_jit
 from cam_jit import jit
-from cam_jit.jit import core, memo, toolchain
+from cam_jit.jit import core, memo, toolchain, trust
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "jit_data"
@@ -555,6 +555,84 @@ def test_memo_hit_still_checks_the_library_against_its_manifest(src, settled, ca
     replace_file(first.library, bytes(data))
     again = jit.load_spec(spec)
     assert again.built and "sha256" in caplog.text and jit.verify_entry(again.entry)[1] is None
+
+
+# -------------------------------------------------- the library vouched for by its identity
+
+@pytest.fixture
+def vouching(monkeypatch):
+    """Files count as settled 0.2 s after their last change (so that a change made after a memo is
+    recorded lands on a later clock tick), and a log of the libraries the engine hashes."""
+    monkeypatch.setattr(memo, "SETTLE_SECONDS", 0.2)
+    hashed = []
+    real = core._verify
+    monkeypatch.setattr(core, "_verify", lambda entry: hashed.append(entry) or real(entry))
+    return hashed
+
+
+def vouched_load(spec, hashed):
+    """Build, let the library settle, load once hashing it (which records its identity), then
+    check that the next load takes the library on the memo's word: no hash."""
+    first = jit.load_spec(spec)
+    assert first.built
+    time.sleep(0.3)
+    assert not jit.load_spec(spec).built and hashed  # hashed, identity recorded
+    before = len(hashed)
+    again = jit.load_spec(spec)
+    assert not again.built and again.library == first.library and len(hashed) == before
+    return first.library
+
+
+def test_library_rewritten_in_place_with_its_size_and_mtime_is_caught(src, vouching, caplog):
+    caplog.set_level(logging.INFO, logger="cam_jit")
+    spec = make_spec(src, "tiny")
+    library = vouched_load(spec, vouching)
+    before = library.stat()
+    data = library.read_bytes()
+    at = data.index(b"GCC:")  # the .comment section: never mapped for execution (this process has it loaded)
+    with open(library, "r+b") as f:  # the same inode, the same size
+        f.seek(at)
+        f.write(b"gcc:")
+    os.utime(library, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = library.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    hashed = len(vouching)
+    again = jit.load_spec(spec)
+    assert len(vouching) > hashed and "sha256 differs" in caplog.text and again.built
+    assert jit.verify_entry(again.entry)[1] is None
+
+
+def test_library_replaced_through_a_new_inode_with_its_size_and_mtime_is_caught(src, vouching, caplog):
+    caplog.set_level(logging.INFO, logger="cam_jit")
+    spec = make_spec(src, "tiny")
+    library = vouched_load(spec, vouching)
+    before = library.stat()
+    data = bytearray(library.read_bytes())
+    data[data.index(b"GCC:")] ^= 0x20
+    replace_file(library, bytes(data))
+    os.utime(library, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = library.stat()
+    assert after.st_ino != before.st_ino and (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    hashed = len(vouching)
+    again = jit.load_spec(spec)
+    assert len(vouching) > hashed and "sha256 differs" in caplog.text and again.built
+
+
+def test_an_unsettled_library_is_hashed_on_every_load(src, vouching, monkeypatch):
+    spec = make_spec(src, "tiny")
+    jit.load_spec(spec)
+    monkeypatch.setattr(memo, "SETTLE_SECONDS", 3600.0)  # the library (and sources) "were just written"
+    for _ in range(2):
+        hashed = len(vouching)
+        assert not jit.load_spec(spec).built and len(vouching) == hashed + 1
+
+
+def test_a_vouched_entry_is_still_trust_checked(src, vouching):
+    spec = make_spec(src, "tiny")
+    library = vouched_load(spec, vouching)
+    library.parent.chmod(0o777)
+    with pytest.raises(trust.UntrustedCacheError, match="group- or world-writable"):
+        jit.load_spec(spec)
 
 
 def test_clean_removes_the_memos(src, settled):

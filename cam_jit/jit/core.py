@@ -3,21 +3,23 @@
 Cache layout (``<cache>`` = :func:`cam_jit.jit.env.cache_dir`)::
 
     <cache>/compilers/<identity>.json           memo of `<compiler> --version` (toolchain.py)
-    <cache>/<backend>/sources-<place>-<state>   memo of the content key of the sources (memo.py)
+    <cache>/<backend>/memo-<place>              the warm-load memo (memo.py)
     <cache>/<backend>/<content key>/
         <compiler key>/                         a published entry: the library + manifest.json
         <compiler key>.lock                     flock of that entry (kept, never deleted)
         <compiler key>.build.log                full output of the last failed build
         .tmp-<compiler key>-<pid>-<random>/     a build in progress (or left by a killed one)
 
-The warm path takes no lock and starts no subprocess: it finds the content key from the sources
-memo (``stat`` calls; the sources are hashed only when they changed, :mod:`cam_jit.jit.memo`),
-finds the compiler with ``stat`` calls, reads its version memo and the manifest, checks the
-library's size and sha256 and dlopens it, so it works on a read-only cache without compiler or
-ninja. A build runs under the entry's flock (released by the kernel if the holder dies), in a
-fresh temp dir next to the entry, and becomes visible through one atomic ``os.rename`` of that
-dir: a killed build leaves only a temp dir, which the next builder removes under the lock. A
-corrupted entry (size or sha256 not as in its manifest) is logged and rebuilt.
+The warm path takes no lock, starts no subprocess and hashes nothing: ``stat`` calls show that the
+sources, the compiler and the library are those the memo recorded (:mod:`cam_jit.jit.memo`), the
+entry passes the trust rules (:mod:`cam_jit.jit.trust`), and the library is dlopened, so it works
+on a read-only cache without compiler or ninja. Otherwise the content key comes from hashing the
+sources, the compiler's version from its memo, and the library is checked against its manifest
+(size and sha256) before it is loaded. A build runs under the entry's flock (released by the
+kernel if the holder dies), in a fresh temp dir next to the entry, and becomes visible through one
+atomic ``os.rename`` of that dir: a killed build leaves only a temp dir, which the next builder
+removes under the lock. A corrupted entry (size or sha256 not as in its manifest) is logged and
+rebuilt.
 
 Two consequences worth knowing: the building process dlopens the library from the temp dir (that
 is cpp_extension's load check), so its ``torch.ops.loaded_libraries`` names the temp path; and a
@@ -87,36 +89,69 @@ def load(backend: Optional[str] = None) -> LoadedLibrary:
 def load_spec(spec: BuildSpec) -> LoadedLibrary:
     """Load ``spec``'s library from the cache, building and publishing it first if needed (not
     memoised; :func:`load` is the memoised entry point)."""
-    found = _locate(spec)
+    root = env.cache_dir()
+    declared = declared_inputs(spec)
+    known = memo.read(root, spec, declared)
+    compiler = toolchain.find_compiler()
+    vouched = memo.vouched(root, spec.backend, known, compiler and _facts(compiler), (MANIFEST,))
+    if vouched is not None:
+        try:
+            return _dlopen(spec, *vouched, built=False)
+        except OSError:
+            pass  # checked in full below, then rebuilt once if it still does not load
+    found = _locate(spec, root, declared, known, compiler)
     if found.entry is not None:
-        return _load_entry(spec, found.entry, found.manifest, built=False, rebuild=_rebuilder(spec, found))
+        loaded = _load_entry(spec, found.entry, found.manifest, built=False, rebuild=_rebuilder(spec, found))
+        if not loaded.built:
+            _remember(found, known, loaded)
+        return loaded
     if found.blocker is not None:
         raise _cannot_build(spec, found)
-    compiler = found.compiler
-    version = found.version or toolchain.compiler_version(compiler, found.root, probe=True)
+    version = found.version or toolchain.compiler_version(compiler, root, probe=True)
     entry = found.content_dir / compiler_key(compiler.path, version)
     loaded = _build_locked(spec, entry, found.inputs, compiler_inputs(compiler.path, version),
                            found.ninja)
-    if found.sources_memo is not None:
-        memo.record(found.root, spec.backend, found.sources_memo, found.content_dir.name)
+    memo.record(root, spec.backend, known, found.content_dir.name)
     return loaded
 
 
+def _facts(compiler: toolchain.Compiler) -> str:
+    return f"{compiler.path}\t{compiler.facts}"
+
+
+def _remember(found: "_Located", known: memo.Known, loaded: LoadedLibrary) -> None:
+    """Record the memo of a verified load: the content key, and the entry with its library's
+    identity when it is this compiler's entry and the library was hashed while settled."""
+    entry = None
+    if found.identity is not None and found.compiler is not None and \
+            loaded.entry.name == compiler_key(found.compiler.path, found.version):
+        entry = (_facts(found.compiler), loaded.entry.name, loaded.library.name, found.identity)
+    memo.record(found.root, loaded.backend, known, found.content_dir.name, entry)
+
+
 def _rebuilder(spec: BuildSpec, found: "_Located"):
-    """How to rebuild the located entry if it does not load, or None when this process cannot
-    build (JIT disabled, no ninja) or the entry is another compiler's."""
-    if found.blocker is not None or env.jit_disabled():
-        return None
-    ninja = toolchain.find_ninja()
-    if ninja is None:
-        return None
-    return lambda: _build_locked(spec, found.entry, found.inputs,
-                                 compiler_inputs(found.compiler.path, found.version), ninja, discard=True)
+    """How to rebuild the located entry if it does not load: a function of the load error that
+    returns the rebuilt library, or None when this process cannot build (JIT disabled, no ninja)
+    or the entry is another compiler's."""
+    def rebuild(error: BaseException) -> Optional[LoadedLibrary]:
+        if found.blocker is not None or env.jit_disabled():
+            return None
+        ninja = toolchain.find_ninja()
+        if ninja is None:
+            return None
+        log.warning("cache entry %s matches its manifest but does not load (%s); rebuilding it once",
+                    found.entry, error)
+        return _build_locked(spec, found.entry, found.inputs,
+                             compiler_inputs(found.compiler.path, found.version), ninja, discard=True)
+
+    return rebuild
 
 
 def status(spec: BuildSpec) -> Tuple[bool, str]:
     """Whether ``spec`` can be loaded here without error, and how (for ``doctor``)."""
-    found = _locate(spec)
+    root = env.cache_dir()
+    declared = declared_inputs(spec)
+    found = _locate(spec, root, declared, memo.read(root, spec, declared), toolchain.find_compiler())
     if found.entry is not None:
         return True, f"ready: cache entry {found.entry}"
     if found.blocker is None:
@@ -136,36 +171,26 @@ class _Located:
     rejected: List[str]
     entry: Optional[Path] = None
     manifest: Optional[Dict[str, Any]] = None
+    identity: Optional[str] = None  # the entry's library's, if hashed while settled (memo.identity)
     blocker: Optional[str] = None  # why this process cannot build, if it cannot
     ninja: Optional[str] = None
-    sources_memo: Optional[str] = None  # the memo to record once the content key proves usable
 
 
-def _locate(spec: BuildSpec) -> _Located:
-    """The warm path: the entry of this exact compiler if it verifies; otherwise, when this
+def _locate(spec: BuildSpec, root: Path, declared: Dict[str, Any], known: memo.Known,
+            compiler: Optional[toolchain.Compiler]) -> _Located:
+    """The entry of this exact compiler if it verifies (its library hashed); otherwise, when this
     process cannot build (JIT disabled, no compiler, no ninja), the newest verified entry of any
     compiler under the content key. Never runs a subprocess nor takes a lock. The content key
-    comes from the sources memo (:mod:`cam_jit.jit.memo`) when the files are as they were last
-    hashed, else from hashing them."""
-    root = env.cache_dir()
-    declared = declared_inputs(spec)
-    sources_memo, settled = memo.fingerprint(spec, declared)
-    compiler = toolchain.find_compiler()
+    comes from the memo (:mod:`cam_jit.jit.memo`) when the files are as they were last hashed,
+    else from hashing them."""
     version = toolchain.compiler_version(compiler, root, probe=False) if compiler else None
-    if version is not None:
-        content_key = memo.lookup(root, spec.backend, sources_memo)
-        entry = None if content_key is None else \
-            root / spec.backend / content_key / compiler_key(compiler.path, version)
-        manifest = None if entry is None else verify_entry(entry)[0]
-        if manifest is not None and memo.agrees(manifest, content_key, spec, declared):
+    if version is not None and known.content_key is not None:
+        entry = root / spec.backend / known.content_key / compiler_key(compiler.path, version)
+        manifest, _, identity = _verify(entry)
+        if manifest is not None and memo.agrees(manifest, known.content_key, spec, declared):
             return _Located(root, manifest["inputs"]["content"], entry.parent, compiler, version, [],
-                            entry, manifest)
-    found = _search(spec, root, {**declared, **file_digests(spec)}, compiler, version)
-    if settled:
-        found.sources_memo = sources_memo
-        if found.entry is not None:
-            memo.record(root, spec.backend, sources_memo, found.content_dir.name)
-    return found
+                            entry, manifest, identity)
+    return _search(spec, root, {**declared, **file_digests(spec)}, compiler, version)
 
 
 def _search(spec: BuildSpec, root: Path, inputs: Dict[str, Any],
@@ -174,7 +199,7 @@ def _search(spec: BuildSpec, root: Path, inputs: Dict[str, Any],
     found = _Located(root, inputs, root / spec.backend / digest(inputs), compiler, version, [])
     if version is not None:
         entry = found.content_dir / compiler_key(compiler.path, version)
-        found.manifest = _check(entry, found.rejected)
+        found.manifest, found.identity = _check(entry, found.rejected)
         if found.manifest is not None:
             found.entry = entry
             return found
@@ -193,29 +218,37 @@ def _search(spec: BuildSpec, root: Path, inputs: Dict[str, Any],
 def verify_entry(entry: Path) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
     """``(manifest, None)`` if ``entry`` holds a library matching its manifest (size and sha256),
     else ``(None, reason)``; the reason is None when the entry simply does not exist."""
+    return _verify(entry)[:2]
+
+
+def _verify(entry: Path) -> Tuple[Optional[Dict[str, Any]], Optional[str], Optional[str]]:
+    """:func:`verify_entry` and the library's identity (:func:`cam_jit.jit.memo.identity`) when
+    it verified, was settled and did not change while it was read (else None)."""
     try:
         manifest = json.loads((entry / MANIFEST).read_bytes())
         library = trust.library_name(manifest)
         trust.check_entry(env.cache_dir(), entry, (MANIFEST, library))
         with open(entry / library, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size != manifest["size"]:
-                return None, f"library is {size} bytes, its manifest says {manifest['size']}"
+            before = os.fstat(f.fileno())
+            if before.st_size != manifest["size"]:
+                return None, f"library is {before.st_size} bytes, its manifest says {manifest['size']}", None
             if hashlib.sha256(f.read()).hexdigest() != manifest["sha256"]:
-                return None, "library sha256 differs from its manifest (corrupted)"
+                return None, "library sha256 differs from its manifest (corrupted)", None
+            after = os.fstat(f.fileno())
     except FileNotFoundError:
-        return None, ("incomplete (manifest or library missing)" if entry.exists() else None)
+        return None, ("incomplete (manifest or library missing)" if entry.exists() else None), None
     except (OSError, ValueError, KeyError, TypeError) as e:
-        return None, f"unreadable ({e})"
-    return manifest, None
+        return None, f"unreadable ({e})", None
+    same = memo.identity(before) == memo.identity(after) and memo.settled(after)
+    return manifest, None, memo.identity(after) if same else None
 
 
-def _check(entry: Path, rejected: List[str]) -> Optional[Dict[str, Any]]:
-    manifest, reason = verify_entry(entry)
+def _check(entry: Path, rejected: List[str]) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
+    manifest, reason, identity = _verify(entry)
     if reason is not None:
         log.warning("cache entry %s failed verification: %s", entry, reason)
         rejected.append(f"{entry}: {reason}")
-    return manifest
+    return manifest, identity
 
 
 def _newest_verified(content_dir: Path, rejected: List[str]):
@@ -228,7 +261,7 @@ def _newest_verified(content_dir: Path, rejected: List[str]):
     for entry in candidates:
         if any(r.startswith(f"{entry}:") for r in rejected):
             continue
-        manifest = _check(entry, rejected)
+        manifest = _check(entry, rejected)[0]
         if manifest is not None and (best is None or
                                      manifest["created_unix"] > best[1]["created_unix"]):
             best = (entry, manifest)
@@ -236,21 +269,25 @@ def _newest_verified(content_dir: Path, rejected: List[str]):
 
 
 def _load_entry(spec: BuildSpec, entry: Path, manifest: Dict[str, Any], built: bool, rebuild=None):
-    """dlopen the entry's library. If that fails (e.g. an undefined symbol) and `rebuild` is
-    given, log it and return rebuild() (which must not pass `rebuild` again)."""
+    """dlopen the entry's library. If that fails (e.g. an undefined symbol), return
+    ``rebuild(error)`` (see :func:`_rebuilder`) unless it is None or returns None."""
+    try:
+        return _dlopen(spec, entry, trust.library_name(manifest), built)
+    except OSError as e:
+        error = e.__cause__ or e
+        rebuilt = rebuild(error) if rebuild is not None else None
+        if rebuilt is not None:
+            return rebuilt
+        raise JitError(f"cannot load the {spec.backend} library {entry / manifest['library']}: {error}; "
+                       f"remove it with `python -m cam_jit clean --backend {spec.backend}`") from e
+
+
+def _dlopen(spec: BuildSpec, entry: Path, library: str, built: bool) -> LoadedLibrary:
     import torch
 
-    library = entry / trust.library_name(manifest)
-    try:
-        torch.ops.load_library(str(library))
-    except OSError as e:
-        if rebuild is not None:
-            log.warning("cache entry %s matches its manifest but does not load (%s); rebuilding it once",
-                        entry, e.__cause__ or e)
-            return rebuild()
-        raise JitError(f"cannot load the {spec.backend} library {library}: {e.__cause__ or e}; "
-                       f"remove it with `python -m cam_jit clean --backend {spec.backend}`") from e
-    return LoadedLibrary(spec.backend, library, entry, built)
+    path = entry / library
+    torch.ops.load_library(str(path))
+    return LoadedLibrary(spec.backend, path, entry, built)
 
 
 def _cannot_build(spec: BuildSpec, found: _Located) -> JitError:

@@ -21,7 +21,8 @@ def cache_dir() -> Path:
     """The cache root: ``$CAM_JIT_CACHE_DIR`` or ``~/.cache/cam_jit`` (not created here)."""
     value = os.environ.get(CACHE_DIR_VAR)
     if value:
-        return Path(value).expanduser().absolute()
+        value = os.path.expanduser(value)  # strings: this runs on every warm load
+        return Path(value if os.path.isabs(value) else os.path.join(os.getcwd(), value))
     return Path.home() / ".cache" / "cam_jit"
 
 

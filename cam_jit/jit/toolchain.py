@@ -6,6 +6,7 @@ would start a subprocess, so the output is memoised under ``<cache>/compilers/``
 binary's identity (path, real path, size, mtime): a memo of a probe of the compiler, not of our
 sources. Upgrading or replacing the compiler changes its identity, so it is probed again; copying
 the cache to a machine with the same compiler package (same size and mtime) keeps the memo valid.
+Finding the compiler costs one ``access`` per PATH directory and one ``stat`` (every warm load).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import importlib.util
 import json
 import os
 import shutil
+import stat
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,11 +31,23 @@ NINJA_HINT = "`pip install ninja` (or `apt-get install ninja-build`)"
 
 @dataclass(frozen=True)
 class Compiler:
-    """A resolved C++ compiler: the absolute path found on PATH, its real path and identity."""
+    """A resolved C++ compiler: the absolute path found on PATH and ``stat`` facts of the file it
+    resolves to (device, inode, size, mtime, ctime: any replacement or rewrite changes them)."""
 
     path: str
-    realpath: str
-    identity: str  # hash of (path, realpath, size, mtime_ns)
+    facts: str
+
+    @property
+    def realpath(self) -> str:
+        return os.path.realpath(self.path)
+
+    @property
+    def identity(self) -> str:
+        """Hash of (path, real path, size, mtime): the key of the ``--version`` memo, stable across
+        machines with the same compiler package."""
+        _, _, size, mtime, _ = (int(f) for f in self.facts.split())
+        facts = [self.path, self.realpath, size, mtime]
+        return hashlib.sha256(json.dumps(facts).encode()).hexdigest()[:24]
 
 
 def requested_compiler() -> str:
@@ -42,16 +56,25 @@ def requested_compiler() -> str:
 
 
 def find_compiler() -> Optional[Compiler]:
-    """Resolve the compiler on PATH (a few ``stat`` calls, no subprocess); None if absent."""
-    path = shutil.which(requested_compiler())
-    if path is None:
-        return None
-    path = os.path.abspath(path)
-    realpath = os.path.realpath(path)
-    st = os.stat(realpath)
-    facts = [path, realpath, st.st_size, st.st_mtime_ns]
-    identity = hashlib.sha256(json.dumps(facts).encode()).hexdigest()[:24]
-    return Compiler(path, realpath, identity)
+    """Resolve the compiler on PATH as ``shutil.which`` does (one ``access`` per PATH directory and
+    one ``stat``: this runs on every warm load); None if absent."""
+    name = requested_compiler()
+    if os.sep in name:
+        candidates = [name]
+    else:
+        directories = os.environ.get("PATH", os.defpath).split(os.pathsep)
+        candidates = [os.path.join(directory, name) for directory in dict.fromkeys(directories)]
+    executable = list(map(os.access, candidates, [os.X_OK] * len(candidates)))
+    for path, ok in zip(candidates, executable):
+        if ok:
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            if not stat.S_ISDIR(st.st_mode):
+                facts = f"{st.st_dev} {st.st_ino} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns}"
+                return Compiler(os.path.abspath(path), facts)
+    return None
 
 
 def compiler_version(compiler: Compiler, cache_root: Path, probe: bool) -> Optional[str]:

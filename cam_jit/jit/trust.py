@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, List
 
 from cam_jit.jit.errors import JitError
 
@@ -36,7 +36,7 @@ def _refuse(path: Path, problem: str) -> UntrustedCacheError:
         f"(default ~/.cache/cam_jit)")
 
 
-def _check(path: Path, st: os.stat_result, kind: str) -> None:
+def _check(path, st: os.stat_result, kind: str) -> None:
     if not _owner_ok(st.st_uid):
         raise _refuse(path, f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}) or root")
     if st.st_mode & _WRITABLE_BY_OTHERS:
@@ -47,16 +47,26 @@ def _check(path: Path, st: os.stat_result, kind: str) -> None:
         raise _refuse(path, "is not a regular file (a symlink?)")
 
 
-def check_entry(root: Path, entry: Path, files: Iterable[str]) -> None:
+def check_entry(root: Path, entry: Path, files: Iterable[str]) -> List[os.stat_result]:
     """Raises UntrustedCacheError unless `root` (followed if a symlink), every directory below it
-    down to `entry` (not followed) and entry/<f> for each of `files` are trusted (module doc)."""
-    _check(root, os.stat(root), "dir")
-    path = root
-    for part in entry.relative_to(root).parts:
-        path = path / part
-        _check(path, os.lstat(path), "dir")
+    down to `entry` (not followed) and entry/<f> for each of `files` are trusted (module doc);
+    returns the ``lstat`` of each of `files`. Plain string paths: this runs on every warm load."""
+    root_text, entry_text = os.fspath(root), os.fspath(entry)
+    _check(root, os.stat(root_text), "dir")
+    if entry_text != root_text:
+        if not entry_text.startswith(root_text + os.sep):
+            raise ValueError(f"{entry} is not under the cache root {root}")
+        path = root_text
+        for part in entry_text[len(root_text) + 1:].split(os.sep):
+            path = f"{path}{os.sep}{part}"
+            _check(path, os.lstat(path), "dir")
+    found = []
     for name in files:
-        _check(entry / name, os.lstat(entry / name), "file")
+        path = f"{entry_text}{os.sep}{name}"
+        st = os.lstat(path)
+        _check(path, st, "file")
+        found.append(st)
+    return found
 
 
 def library_name(manifest: dict) -> str:
