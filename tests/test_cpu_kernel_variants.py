@@ -117,6 +117,51 @@ def test_every_variant_bit_identical_to_reference(params):
             assert torch.equal(bits(a), bits(b)), f"{gemm}/{vector}: {name} differs from int_mm/scalar"
 
 
+def expert_rows_case(variant, group_sizes, hidden, inter, seed):
+    """Arguments of the internal expert_ffn op: int8 rows grouped by expert, their scales and the
+    weight containers (W4A8: packed int4 with compensation biases)."""
+    gen = torch.Generator().manual_seed(seed)
+    experts, m = len(group_sizes), sum(group_sizes)
+    q = torch.randint(-127, 128, (m, hidden), dtype=torch.int8, generator=gen)
+    a = torch.rand(m, generator=gen) * 1e-2
+    q[1 % max(m, 1)] = 0  # a zero row: h = 0, the §1.11 zero scale
+    s1, s2 = torch.rand(experts, 2 * inter, generator=gen) * 1e-2, torch.rand(experts, hidden, generator=gen) * 1e-2
+    if variant == "w8a8":
+        w1 = torch.randint(-127, 128, (experts, hidden, 2 * inter), dtype=torch.int8, generator=gen)
+        w2 = torch.randint(-127, 128, (experts, inter, hidden), dtype=torch.int8, generator=gen)
+        return (q, a, group_sizes, [w1], [s1], [w2], [s2])
+    w1 = cam_jit.pack_int4(torch.randint(-8, 8, (experts, hidden, 2 * inter), dtype=torch.int8, generator=gen))
+    w2 = cam_jit.pack_int4(torch.randint(-8, 8, (experts, inter, hidden), dtype=torch.int8, generator=gen))
+    b1, b2 = torch.randn(experts, 2 * inter, generator=gen), torch.randn(experts, hidden, generator=gen)
+    return (q, a, group_sizes, [w1], [s1], [b1], [w2], [s2], [b2])
+
+
+# Experts with 0 rows, rows on both sides of the AMX threshold (16) and of the VNNI row block (6);
+# widths that are not multiples of the 64-column groups (the gate / up boundary inside a group).
+EXPERT_ROWS = [
+    dict(group_sizes=[0, 1, 15, 16, 7, 0, 40], hidden=72, inter=40),
+    dict(group_sizes=[1, 1, 1, 1], hidden=128, inter=96),
+    dict(group_sizes=[3, 0, 6, 13], hidden=64, inter=8),
+]
+
+
+@pytest.mark.parametrize("variant", ["w8a8", "w4a8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_expert_kernels_auto_and_forced_variants_agree(variant, dtype):
+    """The automatic choice groups the experts with few rows (VNNI, one parallel region per stage)
+    and runs the others alone (AMX): every split must give the portable kernels' bits."""
+    op = getattr(cpu_kernels(), f"expert_ffn_{variant}")
+    for i, shape in enumerate(EXPERT_ROWS):
+        args = expert_rows_case(variant, seed=20 + i, **shape)
+        with forced("int_mm", "scalar"):
+            expected = op(*args, dtype)
+        for gemm in ["auto"] + available("gemm"):
+            for vector in available("vector"):
+                with forced(gemm, vector):
+                    got = op(*args, dtype)
+                assert torch.equal(bits(got), bits(expected)), (variant, shape, gemm, vector)
+
+
 @pytest.mark.skipif(not PACKED, reason="no packed int8 GEMM on this CPU")
 def test_prepack_cache_follows_in_place_updates_and_can_be_cleared():
     kw = make_rank_case(6, 0, ranks=1, variant="w8a8", bs=8, hidden=64, inter=32, experts=2, topk=2)

@@ -30,15 +30,16 @@ at::Tensor float_item(at::TensorList container, int64_t e) {
 }
 
 // W8A8 dequantisation before the per-token scale (§1.8 steps 2.2-2.3, 4.2): f32(acc) * s.
+// Rows of `width` accumulators `ld` apart.
 struct W8A8Dequant {
   const int32_t* acc;
   const float* s;
-  int64_t width;
-  float operator()(int64_t r, int64_t j) const { return static_cast<float>(acc[r * width + j]) * s[j]; }
+  int64_t width, ld;
+  float operator()(int64_t r, int64_t j) const { return static_cast<float>(acc[r * ld + j]) * s[j]; }
 #if defined(__x86_64__)
   // out[j] = (*this)(r, j) * scale for the whole row, AVX512.
   void row_avx512(int64_t r, float scale, float* out) const {
-    avx512::dequant_w8a8(acc + r * width, s, scale, out, width);
+    avx512::dequant_w8a8(acc + r * ld, s, scale, out, width);
   }
 #endif
 };
@@ -50,18 +51,46 @@ struct W4A8Dequant {
   const int32_t* lo;
   const float* s;
   const float* bias;
-  int64_t width;
+  int64_t width, ld;
   float operator()(int64_t r, int64_t j) const {
-    const float high = (static_cast<float>(hi[r * width + j]) * s[j]) * 16.f;
-    const float low = static_cast<float>(lo[r * width + j]) * s[j];
+    const float high = (static_cast<float>(hi[r * ld + j]) * s[j]) * 16.f;
+    const float low = static_cast<float>(lo[r * ld + j]) * s[j];
     return (high + low) + bias[j];
   }
 #if defined(__x86_64__)
   void row_avx512(int64_t r, float scale, float* out) const {
-    avx512::dequant_w4a8(hi + r * width, lo + r * width, s, bias, scale, out, width);
+    avx512::dequant_w4a8(hi + r * ld, lo + r * ld, s, bias, scale, out, width);
   }
 #endif
 };
+
+// out[j] = dequant(r, j) * scale over the row (steps 2.2-2.4, 4.2 before the cast).
+template <typename Dequant>
+void dequant_row(const Dequant& dequant, int64_t r, float scale, float* out, bool vec) {
+#if defined(__x86_64__)
+  if (vec) return dequant.row_avx512(r, scale, out);
+#endif
+  for (int64_t j = 0; j < dequant.width; ++j) out[j] = dequant(r, j) * scale;
+}
+
+// out[j] = -v[j].
+void negate_row(const float* v, float* out, int64_t n, bool vec) {
+#if defined(__x86_64__)
+  if (vec) return avx512::negate(v, out, n);
+#endif
+  for (int64_t j = 0; j < n; ++j) out[j] = -v[j];
+}
+
+// out[j] = cast(v[j]) (RNE).
+template <typename scalar_t>
+void cast_row(const float* v, scalar_t* out, int64_t n, bool vec) {
+#if defined(__x86_64__)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (vec) return avx512::float_to_bf16(v, reinterpret_cast<uint16_t*>(out), n);
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j) out[j] = static_cast<scalar_t>(v[j]);
+}
 
 // Step 2.4: d[r, j] = dequant(r, j) * a[r]. Also writes -d of the gate half into neg_gate so that
 // exp can run over one contiguous block with ATen's vectorised kernel.
@@ -75,93 +104,71 @@ void dequant_gmm1(const Dequant& dequant, const float* a, at::Tensor& d, at::Ten
   const bool vec = vector_kernel() == VectorKernel::kAvx512;
   at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      float* dr = d_ptr + r * width;
-      const float token_scale = a[r];
-#if defined(__x86_64__)
-      if (vec) {
-        dequant.row_avx512(r, token_scale, dr);
-        avx512::negate(dr, ng_ptr + r * inter, inter);
-        continue;
-      }
-#endif
-      for (int64_t j = 0; j < width; ++j) {
-        dr[j] = dequant(r, j) * token_scale;
-      }
-      float* ng = ng_ptr + r * inter;
-      for (int64_t j = 0; j < inter; ++j) {
-        ng[j] = -dr[j];
-      }
+      dequant_row(dequant, r, a[r], d_ptr + r * width, vec);
+      negate_row(d_ptr + r * width, ng_ptr + r * inter, inter, vec);
     }
   });
 }
 
-// Steps 2.5-3.4: G = d_gate / (exp(-d_gate) + 1), h = G * d_up, q2 = rint((h * 127) * (1 / m)),
-// b = m * (1/127) with m = max|h| per row. exp_neg holds exp(-d_gate).
+// Steps 2.5-3.4 on one row: G = gate / (u + 1), h = G * up, q = rint((h * 127) * (1 / m)),
+// returns b = m * (1/127) with m = max|h|, u = exp(-gate); h is scratch of `inter` floats.
+float swiglu_requant_row(const float* gate, const float* up, const float* u, float* h, int8_t* q, int64_t inter,
+                         bool vec) {
+  float m = 0.f;
+#if defined(__x86_64__)
+  if (vec) m = avx512::swiglu(gate, up, u, h, inter);
+#endif
+  for (int64_t j = 0; j < inter && !vec; ++j) {
+    const float denom = u[j] + 1.f;
+    const float g = gate[j] / denom;
+    h[j] = g * up[j];
+    m = abs_max(m, h[j]);
+  }
+  const float inv_m = 1.f / m;
+  if (std::isinf(inv_m)) {  // m 0 or subnormal, docs/semantics.md §1.11
+    std::fill(q, q + inter, int8_t{0});
+    return 0.f;
+  }
+#if defined(__x86_64__)
+  if (vec) {
+    avx512::quantize(h, 127.f, inv_m, q, inter);
+    return m * (1.f / 127.f);
+  }
+#endif
+  for (int64_t j = 0; j < inter; ++j) {
+    const float scaled = h[j] * 127.f;
+    q[j] = round_to_int8(scaled * inv_m);
+  }
+  return m * (1.f / 127.f);
+}
+
+// Steps 2.5-3.4 for every row of d [rows, 2I]; exp_neg [rows, I] holds exp(-d_gate).
 void swiglu_requant(const at::Tensor& d, const at::Tensor& exp_neg, at::Tensor& q2, float* b) {
   const int64_t rows = d.size(0);
   const int64_t inter = d.size(1) / 2;
   const float* d_ptr = d.data_ptr<float>();
   const float* u_ptr = exp_neg.data_ptr<float>();
   int8_t* q_ptr = q2.data_ptr<int8_t>();
-  const float inv127 = 1.f / 127.f;
   const bool vec = vector_kernel() == VectorKernel::kAvx512;
   at::parallel_for(0, rows, row_grain(2 * inter), [&](int64_t begin, int64_t end) {
     std::vector<float> h(inter);
     for (int64_t r = begin; r < end; ++r) {
       const float* gate = d_ptr + r * 2 * inter;
-      const float* up = gate + inter;
-      const float* u = u_ptr + r * inter;
-      float m = 0.f;
-#if defined(__x86_64__)
-      if (vec) m = avx512::swiglu(gate, up, u, h.data(), inter);
-#endif
-      for (int64_t j = 0; j < inter && !vec; ++j) {
-        const float denom = u[j] + 1.f;
-        const float g = gate[j] / denom;
-        h[j] = g * up[j];
-        m = abs_max(m, h[j]);
-      }
-      int8_t* qr = q_ptr + r * inter;
-      const float inv_m = 1.f / m;
-      if (std::isinf(inv_m)) {  // m 0 or subnormal, docs/semantics.md §1.11
-        std::fill(qr, qr + inter, int8_t{0});
-        b[r] = 0.f;
-        continue;
-      }
-      b[r] = m * inv127;
-#if defined(__x86_64__)
-      if (vec) {
-        avx512::quantize(h.data(), 127.f, inv_m, qr, inter);
-        continue;
-      }
-#endif
-      for (int64_t j = 0; j < inter; ++j) {
-        const float scaled = h[j] * 127.f;
-        qr[j] = round_to_int8(scaled * inv_m);
-      }
+      b[r] = swiglu_requant_row(gate, gate + inter, u_ptr + r * inter, h.data(), q_ptr + r * inter, inter, vec);
     }
   });
 }
 
 // Step 4.2: y[r, j] = cast(dequant(r, j) * b[r]) into `rows` rows of `out`.
 template <typename scalar_t, typename Dequant>
-void dequant_gmm2(const Dequant& dequant, int64_t rows, int64_t width, const float* b, scalar_t* out) {
-  const bool vec = std::is_same_v<scalar_t, c10::BFloat16> && vector_kernel() == VectorKernel::kAvx512;
+void dequant_gmm2(const Dequant& dequant, int64_t rows, const float* b, scalar_t* out) {
+  const int64_t width = dequant.width;
+  const bool vec = vector_kernel() == VectorKernel::kAvx512;
   at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
-    std::vector<float> row(vec ? width : 0);
+    std::vector<float> row(width);
     for (int64_t r = begin; r < end; ++r) {
-      scalar_t* yr = out + r * width;
-      const float token_scale = b[r];
-#if defined(__x86_64__)
-      if (vec) {
-        dequant.row_avx512(r, token_scale, row.data());
-        avx512::float_to_bf16(row.data(), reinterpret_cast<uint16_t*>(yr), width);
-        continue;
-      }
-#endif
-      for (int64_t j = 0; j < width; ++j) {
-        yr[j] = static_cast<scalar_t>(dequant(r, j) * token_scale);
-      }
+      dequant_row(dequant, r, b[r], row.data(), vec);
+      cast_row(row.data(), out + r * width, width, vec);
     }
   });
 }
@@ -232,11 +239,11 @@ void gmm1_stage(const at::Tensor& q, const float* a, const Expert& ex, at::Tenso
   const float* s = ex.s1.data_ptr<float>();
   const at::Tensor acc = int_matmul(q, ex.w1, ex.int4());
   if (!ex.int4()) {
-    dequant_gmm1(W8A8Dequant{acc.data_ptr<int32_t>(), s, width}, a, d, neg_gate);
+    dequant_gmm1(W8A8Dequant{acc.data_ptr<int32_t>(), s, width, width}, a, d, neg_gate);
     return;
   }
   const int32_t* hi = acc.data_ptr<int32_t>();
-  dequant_gmm1(W4A8Dequant{hi, hi + rows * width, s, ex.b1.data_ptr<float>(), width}, a, d, neg_gate);
+  dequant_gmm1(W4A8Dequant{hi, hi + rows * width, s, ex.b1.data_ptr<float>(), width, width}, a, d, neg_gate);
 }
 
 // Step 4 (§1.9 for W4A8): y = cast(dequant(q2 . W2) * b) into rows of `out`.
@@ -247,16 +254,155 @@ void gmm2_stage(const at::Tensor& q2, const float* b, const Expert& ex, scalar_t
   const float* s = ex.s2.data_ptr<float>();
   const at::Tensor acc = int_matmul(q2, ex.w2, ex.int4());
   if (!ex.int4()) {
-    dequant_gmm2(W8A8Dequant{acc.data_ptr<int32_t>(), s, width}, rows, width, b, out);
+    dequant_gmm2(W8A8Dequant{acc.data_ptr<int32_t>(), s, width, width}, rows, b, out);
     return;
   }
   const int32_t* hi = acc.data_ptr<int32_t>();
-  dequant_gmm2(W4A8Dequant{hi, hi + rows * width, s, ex.b2.data_ptr<float>(), width}, rows, width, b, out);
+  dequant_gmm2(W4A8Dequant{hi, hi + rows * width, s, ex.b2.data_ptr<float>(), width, width}, rows, b, out);
+}
+
+// Steps 2-4 of one expert on its own, each stage threaded over rows or columns (the AMX and
+// `_int_mm` GEMMs). y: the expert's rows of the output.
+template <typename scalar_t>
+void expert_alone(const at::Tensor& qe, const float* a, const Expert& ex, int64_t inter, scalar_t* y) {
+  const int64_t rows = qe.size(0);
+  at::Tensor d = at::empty({rows, 2 * inter}, qe.options().dtype(at::kFloat));
+  at::Tensor neg_gate = at::empty({rows, inter}, d.options());
+  gmm1_stage(qe, a, ex, d, neg_gate);
+  at::exp_(neg_gate);
+  at::Tensor q2 = at::empty({rows, inter}, qe.options());
+  std::vector<float> b(rows);
+  swiglu_requant(d, neg_gate, q2, b.data());
+  gmm2_stage<scalar_t>(q2, b.data(), ex, y);
+}
+
+// An expert in the grouped VNNI path: its rows, weights and slices of the shared buffers.
+struct VnniExpert {
+  int64_t start, rows, inter;
+  Expert ex;
+  std::shared_ptr<const PackedMatrix> w1, w2;
+  PackedRows rows1, rows2;
+  int64_t d_at, gate_at;  // offsets into d (rows x 2I floats) and neg_gate / q2 (rows x I)
+};
+
+// Runs fn(expert, group) for every VNNI column group of matrix `which` of every expert in one
+// parallel region: each thread takes a contiguous run of (expert, group) items of about equal cost
+// (weight bytes streamed, once per 6 rows). fn gets a per-thread int32 scratch of 2 x rows x 64.
+template <typename Fn>
+void for_each_group(const std::vector<VnniExpert>& experts, std::shared_ptr<const PackedMatrix> VnniExpert::*which,
+                    const Fn& fn) {
+  std::vector<std::pair<int64_t, int64_t>> items;  // (expert, group)
+  std::vector<double> until;                          // cumulative cost through each item
+  double total = 0;
+  int64_t max_rows = 0;
+  for (int64_t x = 0; x < static_cast<int64_t>(experts.size()); ++x) {
+    const VnniExpert& ve = experts[x];
+    const PackedMatrix& w = *(ve.*which);
+    const double cost = static_cast<double>(w.kp) * (1 + (ve.rows - 1) / 6) + 64.0 * ve.rows;
+    for (int64_t g = 0; g < vnni_groups(w); ++g) {
+      items.emplace_back(x, g);
+      until.push_back(total += cost);
+    }
+    max_rows = std::max(max_rows, ve.rows);
+  }
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<int32_t> scratch(2 * max_rows * kVnniGroupColumns);
+    for (int64_t t = t0; t < t1; ++t) {
+      // items whose cost ends in (total * t / threads, total * (t + 1) / threads]
+      const auto lo = std::upper_bound(until.begin(), until.end(), total * t / threads) - until.begin();
+      const auto hi = t + 1 == threads ? static_cast<int64_t>(items.size())
+                                       : std::upper_bound(until.begin(), until.end(), total * (t + 1) / threads) -
+                                             until.begin();
+      for (int64_t i = lo; i < hi; ++i) fn(experts[items[i].first], items[i].second, scratch.data());
+    }
+  });
+}
+
+// Steps 2-4 of every expert in `experts` with VNNI: GEMM1 of all experts in one parallel region
+// with the dequantisation fused per column group, SwiGLU and requantisation per expert in a
+// second, GEMM2 with the dequantisation and cast fused in a third.
+template <typename scalar_t>
+void experts_vnni(std::vector<VnniExpert>& experts, const at::Tensor& q, const float* a, scalar_t* y,
+                  int64_t hidden) {
+  const bool vec = vector_kernel() == VectorKernel::kAvx512;
+  int64_t d_size = 0, gate_size = 0;
+  for (VnniExpert& ve : experts) {
+    ve.d_at = d_size;
+    ve.gate_at = gate_size;
+    d_size += ve.rows * 2 * ve.inter;
+    gate_size += ve.rows * ve.inter;
+    ve.w1 = packed_matrix(ve.ex.w1, ve.ex.int4());
+    ve.w2 = packed_matrix(ve.ex.w2, ve.ex.int4());
+    ve.rows1 = vnni_rows(q.narrow(0, ve.start, ve.rows), *ve.w1);
+  }
+  at::Tensor d = at::empty({d_size}, q.options().dtype(at::kFloat));
+  at::Tensor neg_gate = at::empty({gate_size}, d.options());
+  at::Tensor q2 = at::empty({gate_size}, q.options());
+  std::vector<float> b(q.size(0));
+  float* d_ptr = d.data_ptr<float>();
+  float* ng_ptr = neg_gate.data_ptr<float>();
+  for_each_group(experts, &VnniExpert::w1, [&](const VnniExpert& ve, int64_t g, int32_t* acc) {
+    const int64_t width = 2 * ve.inter, col = g * kVnniGroupColumns;
+    const int64_t cols = std::min<int64_t>(kVnniGroupColumns, width - col);
+    int32_t* lo = acc + ve.rows * kVnniGroupColumns;
+    vnni_group(ve.rows1, *ve.w1, g, acc, lo, kVnniGroupColumns);
+    const float* s = ve.ex.s1.data_ptr<float>() + col;
+    const int64_t gate_cols = std::clamp<int64_t>(ve.inter - col, 0, cols);
+    for (int64_t r = 0; r < ve.rows; ++r) {
+      float* dr = d_ptr + ve.d_at + r * width + col;
+      if (ve.ex.int4()) {
+        const W4A8Dequant dq{acc, lo, s, ve.ex.b1.data_ptr<float>() + col, cols, kVnniGroupColumns};
+        dequant_row(dq, r, a[ve.start + r], dr, vec);
+      } else {
+        dequant_row(W8A8Dequant{acc, s, cols, kVnniGroupColumns}, r, a[ve.start + r], dr, vec);
+      }
+      negate_row(dr, ng_ptr + ve.gate_at + r * ve.inter + col, gate_cols, vec);
+    }
+  });
+
+  // ATen's exp computes each element alike wherever it sits in the tensor (vectorised, the tail
+  // too), so one call over every expert's block gives what per-expert calls give. Few values: exp
+  // and region B run on this thread (ATen does not fork inside an inline parallel_for).
+  const int64_t n_experts = static_cast<int64_t>(experts.size());
+  const bool inline_b = gate_size <= 32768;
+  if (!inline_b) at::exp_(neg_gate);
+  at::parallel_for(0, n_experts, inline_b ? n_experts : 1, [&](int64_t e0, int64_t e1) {
+    if (inline_b) at::exp_(neg_gate);
+    for (int64_t x = e0; x < e1; ++x) {
+      VnniExpert& ve = experts[x];
+      std::vector<float> h(ve.inter);
+      int8_t* q2e = q2.data_ptr<int8_t>() + ve.gate_at;
+      for (int64_t r = 0; r < ve.rows; ++r) {
+        const float* gate = d_ptr + ve.d_at + r * 2 * ve.inter;
+        b[ve.start + r] = swiglu_requant_row(gate, gate + ve.inter, ng_ptr + ve.gate_at + r * ve.inter, h.data(),
+                                             q2e + r * ve.inter, ve.inter, vec);
+      }
+      ve.rows2 = vnni_rows(q2.narrow(0, ve.gate_at, ve.rows * ve.inter).view({ve.rows, ve.inter}), *ve.w2);
+    }
+  });
+  for_each_group(experts, &VnniExpert::w2, [&](const VnniExpert& ve, int64_t g, int32_t* acc) {
+    const int64_t col = g * kVnniGroupColumns, cols = std::min<int64_t>(kVnniGroupColumns, hidden - col);
+    int32_t* lo = acc + ve.rows * kVnniGroupColumns;
+    vnni_group(ve.rows2, *ve.w2, g, acc, lo, kVnniGroupColumns);
+    const float* s = ve.ex.s2.data_ptr<float>() + col;
+    float row[kVnniGroupColumns];
+    for (int64_t r = 0; r < ve.rows; ++r) {
+      if (ve.ex.int4()) {
+        const W4A8Dequant dq{acc, lo, s, ve.ex.b2.data_ptr<float>() + col, cols, kVnniGroupColumns};
+        dequant_row(dq, r, b[ve.start + r], row, vec);
+      } else {
+        dequant_row(W8A8Dequant{acc, s, cols, kVnniGroupColumns}, r, b[ve.start + r], row, vec);
+      }
+      cast_row(row, y + (ve.start + r) * hidden + col, cols, vec);
+    }
+  });
 }
 
 // Steps 2-4 for rows q [M, H] int8 grouped by local expert (group_sizes[e] rows for expert e, in
 // order) with per-row scales q_scale [M] float32; `load(e)` gives expert e's weights. Returns
-// y [M, H] of out_dtype.
+// y [M, H] of out_dtype. Experts whose rows pick the VNNI GEMM run together (experts_vnni), the
+// others one after another (expert_alone).
 template <typename Load>
 at::Tensor expert_ffn(const char* name, const at::Tensor& q, const at::Tensor& q_scale, c10::IntArrayRef group_sizes,
                       at::ScalarType out_dtype, const Load& load) {
@@ -279,6 +425,7 @@ at::Tensor expert_ffn(const char* name, const at::Tensor& q, const at::Tensor& q
   const at::Tensor qc = q.contiguous();
   const at::Tensor ac = q_scale.contiguous();
   at::Tensor y = at::empty({total_rows, hidden}, qc.options().dtype(out_dtype));
+  std::vector<VnniExpert> grouped_vnni;
   int64_t start = 0;
   for (int64_t e = 0; e < static_cast<int64_t>(group_sizes.size()); ++e) {
     const int64_t rows = group_sizes[e];
@@ -293,20 +440,20 @@ at::Tensor expert_ffn(const char* name, const at::Tensor& q, const at::Tensor& q
     TORCH_CHECK(ex.s1.numel() == 2 * inter && ex.s2.numel() == hidden &&
                     (!ex.b1.defined() || (ex.b1.numel() == 2 * inter && ex.b2.numel() == hidden)),
                 "_cam_jit_cpu::", name, ": expert ", e, " scale or bias lengths");
-
-    const at::Tensor qe = qc.narrow(0, start, rows);
-    const float* a = ac.data_ptr<float>() + start;
-    at::Tensor d = at::empty({rows, 2 * inter}, ac.options());
-    at::Tensor neg_gate = at::empty({rows, inter}, ac.options());
-    gmm1_stage(qe, a, ex, d, neg_gate);
-    at::exp_(neg_gate);
-    at::Tensor q2 = at::empty({rows, inter}, qc.options());
-    std::vector<float> b(rows);
-    swiglu_requant(d, neg_gate, q2, b.data());
-    AT_DISPATCH_REDUCED_FLOATING_TYPES(out_dtype, "expert_ffn", [&] {
-      gmm2_stage<scalar_t>(q2, b.data(), ex, y.data_ptr<scalar_t>() + start * hidden);
-    });
+    if (gemm_kernel(rows) == GemmKernel::kVnni) {
+      grouped_vnni.push_back(VnniExpert{start, rows, inter, ex, nullptr, nullptr, {}, {}, 0, 0});
+    } else {
+      AT_DISPATCH_REDUCED_FLOATING_TYPES(out_dtype, "expert_ffn", [&] {
+        expert_alone<scalar_t>(qc.narrow(0, start, rows), ac.data_ptr<float>() + start, ex, inter,
+                               y.data_ptr<scalar_t>() + start * hidden);
+      });
+    }
     start += rows;
+  }
+  if (!grouped_vnni.empty()) {
+    AT_DISPATCH_REDUCED_FLOATING_TYPES(out_dtype, "expert_ffn", [&] {
+      experts_vnni<scalar_t>(grouped_vnni, qc, ac.data_ptr<float>(), y.data_ptr<scalar_t>(), hidden);
+    });
   }
   return y;
 }

@@ -39,6 +39,9 @@ namespace {
 
 constexpr int64_t kBlockN = 16;  // columns per packed block (one zmm of int32, one AMX tile row)
 constexpr int64_t kBlockK = 64;  // K padding: one AMX tile of k
+constexpr int kVnniNr = kVnniGroupColumns / kBlockN;  // 16-column blocks per VNNI register tile
+constexpr int kVnniMrI8 = 6;  // 24 accumulators
+constexpr int kVnniMrI4 = 2;  // 16 accumulators + 8 unpacked weight vectors
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
@@ -298,6 +301,10 @@ namespace {
 // K loop streams NR packed panels once per row block.
 
 #if defined(CAM_JIT_X86)
+// Bytes ahead of the current k step that the VNNI kernels prefetch in each panel they stream: at
+// M <= 6 they are bound by memory latency, and the hardware prefetcher alone keeps too few lines in
+// flight over 4 concurrent panels.
+constexpr int64_t kPrefetchBytes = 2048;
 template <int MR, int NR>
 CAM_JIT_AVX512 void vnni_i8_block(const uint8_t* a, int64_t lda, const uint8_t* panel, int64_t panel_bytes,
                                   int64_t k4s, const int32_t* comp, int32_t* out, int64_t ldo, int64_t ncols) {
@@ -306,7 +313,10 @@ CAM_JIT_AVX512 void vnni_i8_block(const uint8_t* a, int64_t lda, const uint8_t* 
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_si512();
   for (int64_t k4 = 0; k4 < k4s; ++k4) {
     __m512i w[NR];
-    for (int j = 0; j < NR; ++j) w[j] = _mm512_load_si512(panel + j * panel_bytes + k4 * 64);
+    for (int j = 0; j < NR; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(panel + j * panel_bytes + k4 * 64 + kPrefetchBytes), _MM_HINT_T0);
+      w[j] = _mm512_load_si512(panel + j * panel_bytes + k4 * 64);
+    }
     for (int i = 0; i < MR; ++i) {
       int32_t bytes4;
       std::memcpy(&bytes4, a + i * lda + 4 * k4, 4);
@@ -335,6 +345,7 @@ CAM_JIT_AVX512 void vnni_i4_block(const int8_t* hi, const int8_t* lo, int64_t ld
   for (int64_t k8 = 0; k8 < k8s; ++k8) {
     __m512i w0[NR], w1[NR];
     for (int j = 0; j < NR; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(panel + j * panel_bytes + k8 * 64 + kPrefetchBytes), _MM_HINT_T0);
       const __m512i v = _mm512_load_si512(panel + j * panel_bytes + k8 * 64);
       w0[j] = _mm512_and_si512(v, low4);
       w1[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
@@ -385,46 +396,6 @@ struct VnniI4 {
   template <typename... Args>
   static void run(Args... args) { vnni_i4_block<MR, NR>(args...); }
 };
-
-constexpr int kVnniNr = 4;    // 16-column blocks per register tile
-constexpr int kVnniMrI8 = 6;  // 24 accumulators
-constexpr int kVnniMrI4 = 2;  // 16 accumulators + 8 unpacked weight vectors
-
-// One thread's share: column groups [g0, g1) of kVnniNr blocks, all rows.
-void vnni_i8(const uint8_t* a, int64_t m, const PackedMatrix& w, int32_t* out, int64_t g0, int64_t g1) {
-  const int64_t blocks = w.np / kBlockN, panel_bytes = w.kp * kBlockN;
-  const uint8_t* panel = w.panel.data_ptr<uint8_t>();
-  const int32_t* comp = w.comp.data_ptr<int32_t>();
-  for (int64_t g = g0; g < g1; ++g) {
-    const int64_t b = g * kVnniNr;
-    const int nr = static_cast<int>(std::min<int64_t>(kVnniNr, blocks - b));
-    const int64_t ncols = std::min<int64_t>(nr * kBlockN, w.n - b * kBlockN);
-    for (int64_t r = 0; r < m; r += kVnniMrI8) {
-      const int mr = static_cast<int>(std::min<int64_t>(kVnniMrI8, m - r));
-      dispatch_block<kVnniMrI8, kVnniNr, VnniI8>(mr, nr, a + r * w.kp, w.kp, panel + b * panel_bytes, panel_bytes,
-                                                 w.kp / 4, comp + b * kBlockN, out + r * w.n + b * kBlockN, w.n,
-                                                 ncols);
-    }
-  }
-}
-
-void vnni_i4(const int8_t* hi, const int8_t* lo, const int32_t* hi_sum8, const int32_t* lo_sum8, int64_t m,
-             const PackedMatrix& w, int32_t* out, int64_t g0, int64_t g1) {
-  const int64_t blocks = w.np / kBlockN, panel_bytes = w.kp * kBlockN / 2;
-  const uint8_t* panel = w.panel.data_ptr<uint8_t>();
-  for (int64_t g = g0; g < g1; ++g) {
-    const int64_t b = g * kVnniNr;
-    const int nr = static_cast<int>(std::min<int64_t>(kVnniNr, blocks - b));
-    const int64_t ncols = std::min<int64_t>(nr * kBlockN, w.n - b * kBlockN);
-    for (int64_t r = 0; r < m; r += kVnniMrI4) {
-      const int mr = static_cast<int>(std::min<int64_t>(kVnniMrI4, m - r));
-      int32_t* o = out + r * w.n + b * kBlockN;
-      dispatch_block<kVnniMrI4, kVnniNr, VnniI4>(mr, nr, hi + r * w.kp, lo + r * w.kp, w.kp, panel + b * panel_bytes,
-                                                 panel_bytes, w.kp / 8, hi_sum8 + r, lo_sum8 + r, o, o + m * w.n, w.n,
-                                                 ncols);
-    }
-  }
-}
 
 // ---------------------------------------------------------------------------------------------
 // AMX kernels: C tiles 0-3 (16 x 16 int32), A tiles 4-5 (16 rows x 64 k), B tiles 6-7 (64 k x 16
@@ -551,25 +522,25 @@ CAM_JIT_AMX void amx_release() { _tile_release(); }
 // VNNI operand q + 128 (as q ^ 0x80); kS8: q itself; hi / lo: the W4A8 nibble split.
 enum class ActForm { kU8, kS8, kNibbles };
 
-struct Activations {
-  at::Tensor a, b;       // kU8 / kS8: a only; kNibbles: a = hi, b = lo
-  at::Tensor sum8;       // kNibbles: int32 [2, rows_out]: 8 * row sums of hi, lo
-};
-
-Activations prepare_activations(const at::Tensor& q, int64_t kp, int64_t rows_out, ActForm form) {
+PackedRows prepare_activations(const at::Tensor& q, int64_t kp, int64_t rows_out, ActForm form) {
   const int64_t m = q.size(0), k = q.size(1);
   const int8_t* src = q.data_ptr<int8_t>();
-  Activations out;
-  out.a = at::zeros({rows_out, kp}, q.options());
+  PackedRows out;
+  out.m = m;
+  out.a = at::empty({rows_out, kp}, q.options());
   int8_t* a = out.a.data_ptr<int8_t>();
   if (form != ActForm::kNibbles) {
     const int8_t flip = form == ActForm::kU8 ? static_cast<int8_t>(0x80) : 0;
-    for (int64_t r = 0; r < m; ++r)
+    for (int64_t r = 0; r < m; ++r) {
       for (int64_t j = 0; j < k; ++j) a[r * kp + j] = static_cast<int8_t>(src[r * k + j] ^ flip);
+      std::memset(a + r * kp + k, 0, kp - k);
+    }
+    std::memset(a + m * kp, 0, (rows_out - m) * kp);
     return out;
   }
   out.b = at::zeros({rows_out, kp}, q.options());
   out.sum8 = at::zeros({2, rows_out}, q.options().dtype(at::kInt));
+  std::memset(a, 0, rows_out * kp);
   int8_t* b = out.b.data_ptr<int8_t>();
   int32_t* sum8 = out.sum8.data_ptr<int32_t>();
   for (int64_t r = 0; r < m; ++r) {
@@ -590,6 +561,50 @@ Activations prepare_activations(const at::Tensor& q, int64_t kp, int64_t rows_ou
 
 }  // namespace
 
+PackedRows vnni_rows(const at::Tensor& q, const PackedMatrix& w) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(1) == w.k,
+              "cam_jit vnni_rows: q must be contiguous int8 [M, ", w.k, "], got ", q.sizes());
+  return prepare_activations(q, w.kp, q.size(0), w.int4 ? ActForm::kNibbles : ActForm::kU8);
+}
+
+int64_t vnni_groups(const PackedMatrix& w) { return (w.np / kBlockN + kVnniNr - 1) / kVnniNr; }
+
+void vnni_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_t* acc, int32_t* lo_acc,
+                int64_t ld) {
+#if defined(CAM_JIT_X86)
+  const int64_t m = rows.m;
+  const int64_t b = g * kVnniNr;
+  const int nr = static_cast<int>(std::min<int64_t>(kVnniNr, w.np / kBlockN - b));
+  const int64_t ncols = std::min<int64_t>(nr * kBlockN, w.n - b * kBlockN);
+  if (!w.int4) {
+    const int64_t panel_bytes = w.kp * kBlockN;
+    const uint8_t* a = reinterpret_cast<const uint8_t*>(rows.a.data_ptr<int8_t>());
+    const uint8_t* panel = w.panel.data_ptr<uint8_t>() + b * panel_bytes;
+    const int32_t* comp = w.comp.data_ptr<int32_t>() + b * kBlockN;
+    for (int64_t r = 0; r < m; r += kVnniMrI8) {
+      const int mr = static_cast<int>(std::min<int64_t>(kVnniMrI8, m - r));
+      dispatch_block<kVnniMrI8, kVnniNr, VnniI8>(mr, nr, a + r * w.kp, w.kp, panel, panel_bytes, w.kp / 4, comp,
+                                                 acc + r * ld, ld, ncols);
+    }
+    return;
+  }
+  const int64_t panel_bytes = w.kp * kBlockN / 2;
+  const int8_t* hi = rows.a.data_ptr<int8_t>();
+  const int8_t* lo = rows.b.data_ptr<int8_t>();
+  const int32_t* hi_sum8 = rows.sum8.data_ptr<int32_t>();
+  const int32_t* lo_sum8 = hi_sum8 + m;
+  const uint8_t* panel = w.panel.data_ptr<uint8_t>() + b * panel_bytes;
+  for (int64_t r = 0; r < m; r += kVnniMrI4) {
+    const int mr = static_cast<int>(std::min<int64_t>(kVnniMrI4, m - r));
+    dispatch_block<kVnniMrI4, kVnniNr, VnniI4>(mr, nr, hi + r * w.kp, lo + r * w.kp, w.kp, panel, panel_bytes,
+                                               w.kp / 8, hi_sum8 + r, lo_sum8 + r, acc + r * ld, lo_acc + r * ld, ld,
+                                               ncols);
+  }
+#else
+  TORCH_CHECK(false, "cam_jit vnni_group: no VNNI kernel on this architecture");
+#endif
+}
+
 at::Tensor packed_matmul(const at::Tensor& q, const PackedMatrix& w, GemmKernel kernel) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(1) == w.k,
               "cam_jit packed_matmul: q must be contiguous int8 [M, ", w.k, "], got ", q.sizes());
@@ -601,20 +616,13 @@ at::Tensor packed_matmul(const at::Tensor& q, const PackedMatrix& w, GemmKernel 
   if (kernel == GemmKernel::kVnni) {
     at::Tensor out = at::empty({parts * m, w.n}, q.options().dtype(at::kInt));
     if (m == 0) return out;
-    const int64_t groups = (w.np / kBlockN + kVnniNr - 1) / kVnniNr;
+    const PackedRows rows = vnni_rows(q, w);
     int32_t* o = out.data_ptr<int32_t>();
-    if (!w.int4) {
-      const Activations act = prepare_activations(q, w.kp, m, ActForm::kU8);
-      const uint8_t* a = reinterpret_cast<const uint8_t*>(act.a.data_ptr<int8_t>());
-      at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) { vnni_i8(a, m, w, o, g0, g1); });
-      return out;
-    }
-    const Activations act = prepare_activations(q, w.kp, m, ActForm::kNibbles);
-    const int8_t* hi = act.a.data_ptr<int8_t>();
-    const int8_t* lo = act.b.data_ptr<int8_t>();
-    const int32_t* sums = act.sum8.data_ptr<int32_t>();
-    at::parallel_for(0, groups, 1,
-                     [&](int64_t g0, int64_t g1) { vnni_i4(hi, lo, sums, sums + m, m, w, o, g0, g1); });
+    at::parallel_for(0, vnni_groups(w), 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        vnni_group(rows, w, g, o + g * kVnniGroupColumns, o + m * w.n + g * kVnniGroupColumns, w.n);
+      }
+    });
     return out;
   }
   // AMX
@@ -624,7 +632,7 @@ at::Tensor packed_matmul(const at::Tensor& q, const PackedMatrix& w, GemmKernel 
   const uint8_t* panels = w.panel.data_ptr<uint8_t>();
   const int64_t blocks = w.np / kBlockN;
   if (!w.int4) {
-    const Activations act = prepare_activations(q, w.kp, mp, ActForm::kS8);
+    const PackedRows act = prepare_activations(q, w.kp, mp, ActForm::kS8);
     const int8_t* a = act.a.data_ptr<int8_t>();
     at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
       amx_configure();
@@ -632,7 +640,7 @@ at::Tensor packed_matmul(const at::Tensor& q, const PackedMatrix& w, GemmKernel 
       amx_release();
     });
   } else {
-    const Activations act = prepare_activations(q, w.kp, mp, ActForm::kNibbles);
+    const PackedRows act = prepare_activations(q, w.kp, mp, ActForm::kNibbles);
     const int8_t* hi = act.a.data_ptr<int8_t>();
     const int8_t* lo = act.b.data_ptr<int8_t>();
     at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t p0, int64_t p1) {

@@ -43,6 +43,25 @@ struct PackedMatrix {
 // packed afresh on every call.
 std::shared_ptr<const PackedMatrix> packed_matrix(const at::Tensor& w, bool int4);
 
+// Activation rows for the packed kernels, padded with zeros to Kp columns: `a` the rows themselves
+// (the VNNI operand q + 128 as u8 against int8 weights), or for int4 weights the nibble split
+// a = hi = q >> 4, b = lo = (q & 15) - 8 and sum8 int32 [2, rows] = 8 * their row sums.
+struct PackedRows {
+  at::Tensor a, b, sum8;
+  int64_t m = 0;  // rows of q
+};
+
+// The VNNI product q . W split into column groups of kVnniGroupColumns columns, the unit of work a
+// caller schedules (several products in one parallel region, epilogues fused per group).
+constexpr int64_t kVnniGroupColumns = 64;
+// q [M, K] int8 contiguous, K == w.k, prepared for vnni_group against w.
+PackedRows vnni_rows(const at::Tensor& q, const PackedMatrix& w);
+int64_t vnni_groups(const PackedMatrix& w);
+// Exact q . W on the columns [64 g, min(64 g + 64, N)) of group g: acc[r * ld + c] for r < M and
+// c the column within the group. int4 weights: hi . W into acc, lo . W into lo_acc. Needs VNNI.
+void vnni_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_t* acc, int32_t* lo_acc,
+                int64_t ld);
+
 // acc = q . W exactly, with q [M, K] int8 contiguous. W8A8: int32 [M, N]. int4 weights (W4A8):
 // int32 [2M, N], rows 0..M-1 = hi . W and rows M..2M-1 = lo . W with hi = q >> 4 and
 // lo = (q & 15) - 8 (the W4A8 nibble split). `kernel` is kVnni or kAmx.
