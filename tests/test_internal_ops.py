@@ -27,6 +27,11 @@ CASES = {
     # x with fewer rows than expert_ids, and smooth scales for fewer experts than the ids name
     "route_and_quantize-rows": "cpu.route_and_quantize(torch.zeros(1, 8, dtype=torch.bfloat16), "
                                "torch.tensor([[0, 1], [1, 0]], dtype=torch.int32), 2, 4, None)",
+    # ids naming an expert the weight containers do not hold, and no weights at all
+    "moe_one_rank-experts": "cpu.moe_one_rank(torch.zeros(1, 8, dtype=torch.bfloat16), torch.tensor([[3]], dtype=torch.int32), "
+                            "1, 4, None, torch.ones(1, 1), [w1, w1], [s1, s1], [], [w2, w2], [s2, s2], [])",
+    "moe_one_rank-empty": "cpu.moe_one_rank(torch.zeros(1, 8, dtype=torch.bfloat16), torch.tensor([[0]], dtype=torch.int32), "
+                          "1, 1, None, torch.ones(1, 1), [], [], [], [], [], [])",
     "route_and_quantize-smooth": "cpu.route_and_quantize(torch.zeros(1, 8, dtype=torch.bfloat16), "
                                  "torch.tensor([[3]], dtype=torch.int32), 1, 4, torch.ones(2, 8))",
     "zb-region": "zb.region(4096, [16], torch.int64)",

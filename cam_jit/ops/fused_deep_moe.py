@@ -350,12 +350,11 @@ def agreed_values(layout: Layout, x: torch.Tensor, weight_dtype: torch.dtype, mo
                              quant_mode)))
 
 
-def _route_and_quantize(kernels, x, expert_ids, active: int, experts: int, smooth):
-    """The C++ route_and_quantize (route_pairs' five tensors, then q [P, H] int8 and its scales [P]):
-    routing checks every id; when one is out of range the error names the argument as
-    _check_expert_ids does."""
+def _routing_call(call, expert_ids, active: int, experts: int):
+    """call(): a C++ kernel that routes the first `active` rows of expert_ids and checks every id
+    on the way; when one is out of range the error names the argument as _check_expert_ids does."""
     try:
-        return kernels.route_and_quantize(x, expert_ids, active, experts, smooth)
+        return call()
     except RuntimeError as err:
         routing_error = err
     _check_expert_ids(expert_ids[:active], experts)
@@ -375,16 +374,18 @@ def _cpu(x, expert_ids, gmm1_weight, gmm1_weight_scale, gmm2_weight, gmm2_weight
         layout = validated(args)
         active = layout.batch if x_active_mask is None else int(x_active_mask.sum())
         kernels = cpu_kernels()  # after validation: bad arguments fail without a kernel build
-        pos, token, expert, counts, pair_rows, q, q_scale = _route_and_quantize(
-            kernels, x, expert_ids, active, moe_expert_num, expert_smooth_scales)
+        if group is None:  # one rank: routing, quantisation, the expert FFN and combine in one C++ call
+            output, expert_token_nums = _routing_call(lambda: kernels.moe_one_rank(
+                x, expert_ids, active, moe_expert_num, expert_smooth_scales, expert_scales, gmm1_weight,
+                gmm1_weight_scale, gmm1_bias, gmm2_weight, gmm2_weight_scale, gmm2_bias), expert_ids, active, moe_expert_num)
+        else:
+            pos, token, expert, counts, pair_rows, q, q_scale = _routing_call(lambda: kernels.route_and_quantize(
+                x, expert_ids, active, moe_expert_num, expert_smooth_scales), expert_ids, active, moe_expert_num)
     except (TypeError, ValueError) as err:
         _moe_cpu.refuse(OP, group, AGREED, err)
-    weights = (gmm1_weight, gmm1_weight_scale, gmm1_bias, gmm2_weight, gmm2_weight_scale, gmm2_bias)
     shared = []  # the shared expert's output, computed while the routed rows are in flight
-    if group is None:  # one rank: the route order is already grouped by expert
-        expert_token_nums = counts
-        y = _expert_ffn(kernels, layout, q, q_scale, counts.tolist(), *weights, x.dtype)
-    else:
+    if group is not None:
+        weights = (gmm1_weight, gmm1_weight_scale, gmm1_bias, gmm2_weight, gmm2_weight_scale, gmm2_bias)
         agreed = agreed_values(layout, x, gmm1_weight[0].dtype, moe_expert_num, quant_mode)
         route = _moe_cpu.exchange_route(OP, (pos, token, expert, counts, pair_rows), active * layout.topk,
                                         layout.local_experts, group, agreed)
@@ -396,8 +397,7 @@ def _cpu(x, expert_ids, gmm1_weight, gmm1_weight_scale, gmm2_weight, gmm2_weight
                                 expert_token_nums.tolist(), *weights, x.dtype)
         y = torch.empty_like(y_grouped)
         y[by_expert] = y_grouped
-        y = _moe_cpu.return_rows(OP, route, y)
-    output = kernels.combine(y, pair_rows, expert_scales, active)
+        output = kernels.combine(_moe_cpu.return_rows(OP, route, y), pair_rows, expert_scales, active)
 
     share_output = shared[0] if shared else shared_expert_output(kernels, layout, args)
     return [output, share_output, expert_token_nums]

@@ -5,6 +5,7 @@
 #include "routing.h"
 
 #include <ATen/Dispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -213,6 +214,37 @@ at::Tensor combine(const at::Tensor& y, const at::Tensor& pair_rows, const at::T
   return out;
 }
 
+// fused_deep_moe on one rank (docs/semantics.md §1.8; §1.9 for int32 W4A8 weights): route_and_quantize,
+// the expert FFN (_cam_jit_cpu::expert_ffn_w8a8 / _w4a8 on the rows, grouped by expert) and combine,
+// in one call. Weight containers as the expert FFN takes them (b1, b2: W4A8 biases, empty under
+// W8A8). Returns (output [BS, H] x.dtype, expert_token_nums [experts] int64).
+std::tuple<at::Tensor, at::Tensor> moe_one_rank(const at::Tensor& x, const at::Tensor& expert_ids, int64_t active,
+                                                int64_t experts, const c10::optional<at::Tensor>& smooth_scales,
+                                                const at::Tensor& expert_scales, at::TensorList w1, at::TensorList s1,
+                                                at::TensorList b1, at::TensorList w2, at::TensorList s2,
+                                                at::TensorList b2) {
+  TORCH_CHECK(!w1.empty(), "_cam_jit_cpu::moe_one_rank: w1 must hold at least one tensor");
+  auto [pos, token, expert, counts, pair_rows, q, scale] =
+      route_and_quantize(x, expert_ids, active, experts, smooth_scales);
+  const c10::IntArrayRef group_sizes(counts.data_ptr<int64_t>(), counts.numel());
+  at::Tensor y;
+  if (w1[0].scalar_type() == at::kInt) {
+    static const auto ffn = c10::Dispatcher::singleton()
+                                .findSchemaOrThrow("_cam_jit_cpu::expert_ffn_w4a8", "")
+                                .typed<at::Tensor(const at::Tensor&, const at::Tensor&, c10::IntArrayRef, at::TensorList,
+                                                  at::TensorList, at::TensorList, at::TensorList, at::TensorList,
+                                                  at::TensorList, at::ScalarType)>();
+    y = ffn.call(q, scale, group_sizes, w1, s1, b1, w2, s2, b2, x.scalar_type());
+  } else {
+    static const auto ffn = c10::Dispatcher::singleton()
+                                .findSchemaOrThrow("_cam_jit_cpu::expert_ffn_w8a8", "")
+                                .typed<at::Tensor(const at::Tensor&, const at::Tensor&, c10::IntArrayRef, at::TensorList,
+                                                  at::TensorList, at::TensorList, at::TensorList, at::ScalarType)>();
+    y = ffn.call(q, scale, group_sizes, w1, s1, w2, s2, x.scalar_type());
+  }
+  return {combine(y, pair_rows, expert_scales, active), counts};
+}
+
 }  // namespace
 }  // namespace cam_jit_cpu
 
@@ -222,10 +254,14 @@ TORCH_LIBRARY_FRAGMENT(_cam_jit_cpu, m) {
       "route_and_quantize(Tensor x, Tensor expert_ids, int active, int experts, Tensor? smooth_scales) -> "
       "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("combine(Tensor y, Tensor pair_rows, Tensor weights, int active_count) -> Tensor");
+  m.def(
+      "moe_one_rank(Tensor x, Tensor expert_ids, int active, int experts, Tensor? smooth_scales, Tensor expert_scales, "
+      "Tensor[] w1, Tensor[] s1, Tensor[] b1, Tensor[] w2, Tensor[] s2, Tensor[] b2) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(_cam_jit_cpu, CPU, m) {
   m.impl("quantize_rows", &cam_jit_cpu::quantize_rows);
   m.impl("route_and_quantize", &cam_jit_cpu::route_and_quantize);
   m.impl("combine", &cam_jit_cpu::combine);
+  m.impl("moe_one_rank", &cam_jit_cpu::moe_one_rank);
 }
