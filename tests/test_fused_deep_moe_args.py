@@ -309,6 +309,24 @@ def test_the_cpu_implementation_is_called_directly_only_where_nothing_could_tell
     assert all(torch.equal(a, b) for a, b in zip(first, via_op))
 
 
+def test_a_torch_without_the_interception_probes_always_takes_the_dispatcher_hop(monkeypatch):
+    """On a torch lacking any internal that tells whether a mode, trace or profiler would see the
+    op, every call goes through the registered op."""
+    fdm = sys.modules["cam_jit.ops.fused_deep_moe"]
+    monkeypatch.delattr(torch._C, "_any_requires_grad")
+    assert fdm._interception_probes() is None
+    monkeypatch.setattr(fdm, "_PROBES", None)
+    direct = []
+    real = fdm._cpu
+    monkeypatch.setattr(fdm, "_cpu", lambda *args: direct.append(1) or real(*args))
+    args = good_args()
+    with torch.inference_mode():
+        via_op = cam_jit.fused_deep_moe(**args)
+        monkeypatch.undo()
+        assert not direct
+        assert all(torch.equal(a, b) for a, b in zip(via_op, cam_jit.fused_deep_moe(**args)))
+
+
 def test_backward_is_refused():
     args = good_args()
     args["x"] = args["x"].requires_grad_(True)

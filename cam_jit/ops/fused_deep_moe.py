@@ -463,6 +463,20 @@ def _plain_containers(required: Sequence[object], optional: Sequence[object], in
     return tuple(lists)
 
 
+def _interception_probes() -> Optional[tuple]:
+    """The torch internals `_runs_directly` asks, or None on a torch that lacks any of them (every
+    call then takes the dispatcher hop)."""
+    c = torch._C
+    try:
+        return (c._len_torch_dispatch_stack, c._is_torch_function_mode_enabled, c._functorch.peek_interpreter_stack,
+                c._get_tracing_state, c._autograd._profiler_enabled, c._any_requires_grad)
+    except AttributeError:
+        return None
+
+
+_PROBES = _interception_probes()
+
+
 def _runs_directly(x: torch.Tensor, tensors: Sequence[Optional[torch.Tensor]],
                    containers: Sequence[List[torch.Tensor]]) -> bool:
     """Whether a call whose tensors are all of _PLAIN_TENSORS may run the CPU implementation `_cpu`
@@ -470,12 +484,13 @@ def _runs_directly(x: torch.Tensor, tensors: Sequence[Optional[torch.Tensor]],
     with the same arguments): CPU tensors, no autograd to record, and nothing that must see the op
     (a jit trace, dispatch or function modes, functorch transforms, the profiler; the caller has
     excluded torch.compile and export)."""
-    torch_c = torch._C
-    if (not x.is_cpu or torch_c._len_torch_dispatch_stack()
-            or torch_c._is_torch_function_mode_enabled() or torch_c._functorch.peek_interpreter_stack() is not None
-            or torch_c._get_tracing_state() is not None or torch_c._autograd._profiler_enabled()):
+    if _PROBES is None or not x.is_cpu:
         return False
-    return not (torch.is_grad_enabled() and torch_c._any_requires_grad(*tensors, *containers))
+    dispatch_modes, function_modes, functorch_stack, jit_trace, profiler, any_requires_grad = _PROBES
+    if (dispatch_modes() or function_modes() or functorch_stack() is not None or jit_trace() is not None
+            or profiler()):
+        return False
+    return not (torch.is_grad_enabled() and any_requires_grad(*tensors, *containers))
 
 
 def fused_deep_moe(
