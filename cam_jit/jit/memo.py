@@ -53,7 +53,11 @@ def identity(st: os.stat_result) -> str:
 
 def settled(st: os.stat_result) -> bool:
     """Whether ``st``'s ctime is old enough for a later change to land on another clock tick."""
-    return st.st_ctime_ns < time.time_ns() - SETTLE_SECONDS * 1e9
+    return _settled_ns(st.st_ctime_ns)
+
+
+def _settled_ns(ctime_ns: int) -> bool:
+    return ctime_ns < time.time_ns() - SETTLE_SECONDS * 1e9
 
 
 @dataclass
@@ -79,7 +83,7 @@ def read(root: Path, spec: BuildSpec, declared: Mapping[str, Any]) -> Known:
         st = os.stat(path)
         files.append((spec.relative(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev))
         newest = max(newest, st.st_ctime_ns)
-    ready = newest < time.time_ns() - SETTLE_SECONDS * 1e9
+    ready = _settled_ns(newest)
     known = Known(f"{PREFIX}{zlib.crc32(head.encode()):08x}", repr((head, files)), ready)
     path = f"{root}{os.sep}{spec.backend}{os.sep}{known.name}"
     try:
