@@ -39,27 +39,35 @@ def kernels_dir() -> Path:
     return Path(installed if os.path.isdir(installed) else os.path.join(os.path.dirname(_PACKAGE_DIR), "kernels"))
 
 
+def kernels_chosen_in() -> Path:
+    """The directory whose listing decides :func:`kernels_dir` (whether it holds ``_kernels``)."""
+    return _PACKAGE_DIR
+
+
 def cpu_spec() -> BuildSpec:
     """Spec of the CPU backend: every ``*.cpp`` (compiled) and ``*.h`` (hashed) under ``cpu/``."""
     root = kernels_dir()
     cpu = root / "cpu"
-    sources, headers = tree_files(cpu, ".cpp", ".h")
+    listed = [kernels_chosen_in()]
+    sources, headers = tree_files(cpu, ".cpp", ".h", walked=listed)
     if not sources:
         raise JitError(f"no C++ sources (*.cpp) in {cpu}: this cam_jit installation is incomplete "
                        "(reinstall it, or run from a complete checkout)")
     return BuildSpec(backend="cpu", name="cam_jit_cpu", root=root, sources=sources,
                      headers=headers, include_dirs=(cpu,), cflags=CPU_CFLAGS, ldflags=CPU_LDFLAGS,
-                     extra_key={"target_isa": CPU_TARGET_ISA})
+                     extra_key={"target_isa": CPU_TARGET_ISA}, listed=tuple(listed))
 
 
-def tree_files(folder: Path, *suffixes: str) -> Tuple[Tuple[Path, ...], ...]:
+def tree_files(folder: Path, *suffixes: str, walked: Optional[List[Path]] = None) -> Tuple[Tuple[Path, ...], ...]:
     """Per suffix, the sorted files under ``folder`` (recursively, not into symlinked
     directories) whose names end with it: ``sorted(folder.rglob("*" + suffix))`` in one
-    ``scandir`` per directory and without pathlib's parsing per file, several times faster (this
-    runs on every warm load)."""
+    ``scandir`` per directory and without pathlib's parsing per file, several times faster.
+    ``walked``, if given, gets every directory listed (:attr:`BuildSpec.listed`)."""
     found: Dict[str, List[Path]] = {suffix: [] for suffix in suffixes}
 
     def walk(directory: Path) -> None:
+        if walked is not None:
+            walked.append(directory)
         try:
             with os.scandir(directory) as entries:
                 listed = sorted((entry.name, entry.is_dir(), entry.is_symlink()) for entry in entries)

@@ -4,13 +4,16 @@ Cache layout (``<cache>`` = :func:`cam_jit.jit.env.cache_dir`)::
 
     <cache>/compilers/<identity>.json           memo of `<compiler> --version` (toolchain.py)
     <cache>/<backend>/memo-<place>              the warm-load memo (memo.py)
+    <cache>/<backend>/warm-<place>              the warm record of a registered backend (warm.py)
     <cache>/<backend>/<content key>/
         <compiler key>/                         a published entry: the library + manifest.json
         <compiler key>.lock                     flock of that entry (kept, never deleted)
         <compiler key>.build.log                full output of the last failed build
         .tmp-<compiler key>-<pid>-<random>/     a build in progress (or left by a killed one)
 
-The warm path takes no lock, starts no subprocess and hashes nothing: ``stat`` calls show that the
+:func:`load` first asks the backend's warm record (:mod:`cam_jit.jit.warm`), which vouches for the
+entry with ``stat`` calls before any spec is built. The warm path takes no lock, starts no subprocess
+and hashes nothing: ``stat`` calls show that the
 sources, the compiler and the library are those the memo recorded (:mod:`cam_jit.jit.memo`), the
 entry passes the trust rules (:mod:`cam_jit.jit.trust`), and the library is dlopened, so it works
 on a read-only cache without compiler or ninja. Otherwise the content key comes from hashing the
@@ -39,8 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from cam_jit.jit import env, log, memo, reaper, toolchain, trust
-from cam_jit.jit.backends import backend_spec, default_backend
+from cam_jit.jit import env, log, memo, reaper, toolchain, trust, warm
+from cam_jit.jit.backends import BACKENDS, backend_spec, default_backend
 from cam_jit.jit.errors import BuildError, CacheMissError, JitError, ToolchainError
 from cam_jit.jit.progress import BuildProgress
 from cam_jit.jit.spec import (CACHE_FORMAT, BuildSpec, compiler_inputs, compiler_key,
@@ -81,14 +84,40 @@ def load(backend: Optional[str] = None) -> LoadedLibrary:
         name = backend or default_backend()
         hit = _LOADED.get(name)
         if hit is None:
-            hit = load_spec(backend_spec(name))
+            hit = _load_backend(name)
         _LOADED[name] = _LOADED[backend] = hit
     return hit
+
+
+def _load_backend(name: str) -> LoadedLibrary:
+    """:func:`load` of a registered backend: by its warm record if it vouches for the entry
+    (:mod:`cam_jit.jit.warm`: no spec built, no PATH search), else by :func:`load_spec`."""
+    registered = BACKENDS.get(name)
+    factory = registered.make_spec if registered is not None and registered.unavailable() is None else None
+    if factory is not None:
+        root = env.cache_root()
+        vouched = warm.vouched(root, name, factory)
+        if vouched is not None:
+            library = f"{vouched[0]}{os.sep}{vouched[1]}"
+            try:
+                _dlopen_path(library)
+                path = Path(library)
+                return LoadedLibrary(name, path, path.parent, built=False)
+            except OSError:
+                pass  # checked in full below, then rebuilt once if it still does not load
+    spec = backend_spec(name)
+    return _load(spec, factory)
 
 
 def load_spec(spec: BuildSpec) -> LoadedLibrary:
     """Load ``spec``'s library from the cache, building and publishing it first if needed (not
     memoised; :func:`load` is the memoised entry point)."""
+    return _load(spec, None)
+
+
+def _load(spec: BuildSpec, factory) -> LoadedLibrary:
+    """:func:`load_spec`; ``factory``: the registered function that made ``spec``, whose warm
+    record (:mod:`cam_jit.jit.warm`) is written when a memo vouches for the entry."""
     root = env.cache_dir()
     declared = declared_inputs(spec)
     known = memo.read(root, spec, declared)
@@ -96,9 +125,14 @@ def load_spec(spec: BuildSpec) -> LoadedLibrary:
     vouched = memo.vouched(root, spec.backend, known, compiler and _facts(compiler), (MANIFEST,))
     if vouched is not None:
         try:
-            return _dlopen(spec, *vouched, built=False)
+            loaded = _dlopen(spec, *vouched, built=False)
         except OSError:
             pass  # checked in full below, then rebuilt once if it still does not load
+        else:
+            if factory is not None and known.settled:
+                warm.record(str(root), spec, factory, known.files, compiler,
+                            (known.content_key, *known.entry[:2]), known.entry[2])
+            return loaded
     found = _locate(spec, root, declared, known, compiler)
     if found.entry is not None:
         loaded = _load_entry(spec, found.entry, found.manifest, built=False, rebuild=_rebuilder(spec, found))
@@ -283,11 +317,24 @@ def _load_entry(spec: BuildSpec, entry: Path, manifest: Dict[str, Any], built: b
 
 
 def _dlopen(spec: BuildSpec, entry: Path, library: str, built: bool) -> LoadedLibrary:
+    path = entry / library
+    _dlopen_path(str(path))
+    return LoadedLibrary(spec.backend, path, entry, built)
+
+
+def _dlopen_path(path: str) -> None:
+    """dlopen as ``torch.ops.load_library`` does (``ctypes``' flags: RTLD_NOW | RTLD_LOCAL; the path
+    added to ``torch.ops.loaded_libraries``), without its ``realpath`` walk and ``ctypes.CDLL``
+    class: the trust rules already refused symlinks below the cache root."""
+    import _ctypes
+
     import torch
 
-    path = entry / library
-    torch.ops.load_library(str(path))
-    return LoadedLibrary(spec.backend, path, entry, built)
+    try:
+        _ctypes.dlopen(path, os.RTLD_NOW | os.RTLD_LOCAL)
+    except OSError as e:
+        raise OSError(f"Could not load this library: {path}") from e
+    torch.ops.loaded_libraries.add(path)
 
 
 def _cannot_build(spec: BuildSpec, found: _Located) -> JitError:
@@ -529,6 +576,7 @@ def clean(backend: Optional[str] = None) -> Tuple[List[Path], List[Tuple[Path, s
         finally:
             lock.release()
     memo.forget(root, backend)
+    warm.forget(str(root), backend)
     if backend is None:
         shutil.rmtree(root / "compilers", ignore_errors=True)
     return removed, skipped

@@ -19,11 +19,16 @@ LOCK_TIMEOUT_DEFAULT = 1800.0
 
 def cache_dir() -> Path:
     """The cache root: ``$CAM_JIT_CACHE_DIR`` or ``~/.cache/cam_jit`` (not created here)."""
+    return Path(cache_root())
+
+
+def cache_root() -> str:
+    """:func:`cache_dir` as a string (no pathlib: this runs on every warm load)."""
     value = os.environ.get(CACHE_DIR_VAR)
     if value:
-        value = os.path.expanduser(value)  # strings: this runs on every warm load
-        return Path(value if os.path.isabs(value) else os.path.join(os.getcwd(), value))
-    return Path.home() / ".cache" / "cam_jit"
+        value = os.path.expanduser(value)
+        return value if os.path.isabs(value) else os.path.join(os.getcwd(), value)
+    return os.path.join(os.path.expanduser("~"), ".cache", "cam_jit")
 
 
 def jit_disabled() -> bool:

@@ -67,6 +67,7 @@ class Known:
     name: str  # the memo's file name
     state: str  # the live state (line 1 of a memo of it)
     settled: bool  # every file settled: a memo of this state may be recorded
+    files: list  # per source and header: (relative name, size, mtime, ctime, inode, device)
     text: Optional[str] = None  # the memo as read, if trusted
     content_key: Optional[str] = None  # its content key, if it is of the live state
     compiler: Optional[str] = None  # its compiler line, if any
@@ -84,19 +85,10 @@ def read(root: Path, spec: BuildSpec, declared: Mapping[str, Any]) -> Known:
         files.append((spec.relative(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev))
         newest = max(newest, st.st_ctime_ns)
     ready = _settled_ns(newest)
-    known = Known(f"{PREFIX}{zlib.crc32(head.encode()):08x}", repr((head, files)), ready)
-    path = f"{root}{os.sep}{spec.backend}{os.sep}{known.name}"
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
+    known = Known(f"{PREFIX}{zlib.crc32(head.encode()):08x}", repr((head, files)), ready, files)
+    known.text = trust.read_small(f"{root}{os.sep}{spec.backend}{os.sep}{known.name}")
+    if known.text is None:
         return known
-    try:
-        trust._check(path, os.fstat(fd), "file")
-        known.text = os.read(fd, 1 << 16).decode()
-    except (OSError, UnicodeDecodeError, trust.UntrustedCacheError):
-        return known
-    finally:
-        os.close(fd)
     lines = known.text.split("\n")
     if len(lines) not in (3, 5) or lines[0] != FORMAT or lines[1] != known.state or not _is_key(lines[2]):
         return known

@@ -33,6 +33,10 @@ class BuildSpec:
     ``sources``, ``headers`` and ``include_dirs`` are absolute paths under ``root``; headers are
     not compiled but hashed. ``name`` is the library's file stem; the library registers its ops
     itself (``TORCH_LIBRARY``). ``extra_key`` adds facts that must invalidate the cache (strings).
+    ``listed``: the directories whose listings chose ``sources`` and ``headers`` (e.g. those
+    :func:`cam_jit.jit.backends.tree_files` walked). A spec that names them promises it depends on
+    nothing but cam_jit's code, the environment facts and those listings, which lets
+    :mod:`cam_jit.jit.warm` find its entry without building it.
     """
 
     backend: str
@@ -44,6 +48,7 @@ class BuildSpec:
     cflags: Tuple[str, ...] = ()
     ldflags: Tuple[str, ...] = ()
     extra_key: Mapping[str, str] = field(default_factory=dict)
+    listed: Tuple[Path, ...] = ()
 
     def relative(self, path: Path) -> str:
         """``path`` named relative to ``root`` (the name that enters the key)."""

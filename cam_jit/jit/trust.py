@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
-from typing import Iterable, List
+from typing import Iterable, List, Optional
 
 from cam_jit.jit.errors import JitError
 
@@ -67,6 +67,22 @@ def check_entry(root: Path, entry: Path, files: Iterable[str]) -> List[os.stat_r
         _check(path, st, "file")
         found.append(st)
     return found
+
+
+def read_small(path: str) -> Optional[str]:
+    """The text of the small cache file ``path`` (at most 64 KiB read) if it is a trusted regular
+    file, opened without following a symlink; None if it is missing, untrusted or unreadable."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        _check(path, os.fstat(fd), "file")
+        return os.read(fd, 1 << 16).decode()
+    except (OSError, UnicodeDecodeError, UntrustedCacheError):
+        return None
+    finally:
+        os.close(fd)
 
 
 def library_name(manifest: dict) -> str:

@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from cam_jit.jit import kernels_dir, load
-from cam_jit.jit.backends import CPU_CFLAGS, CPU_LDFLAGS, tree_files
+from cam_jit.jit.backends import CPU_CFLAGS, CPU_LDFLAGS, kernels_chosen_in, tree_files
 from cam_jit.jit.errors import JitError
 from cam_jit.jit.spec import BuildSpec
 from cam_jit.ops._rendezvous import Rendezvous, RendezvousError
@@ -42,12 +42,13 @@ def zb_spec() -> BuildSpec:
     """Spec of the `cpu_zb` backend: every ``*.cpp``/``*.h`` under the kernels' ``cpu_zb/``."""
     root = kernels_dir()
     folder = root / "cpu_zb"
-    sources, headers = tree_files(folder, ".cpp", ".h")
+    listed = [kernels_chosen_in()]
+    sources, headers = tree_files(folder, ".cpp", ".h", walked=listed)
     if not sources:
         raise JitError(f"no C++ sources (*.cpp) in {folder}: this cam_jit installation is incomplete")
     return BuildSpec(backend=BACKEND, name="cam_jit_cpu_zb", root=root, sources=sources,
                      headers=headers, include_dirs=(folder,),
-                     cflags=CPU_CFLAGS, ldflags=CPU_LDFLAGS)
+                     cflags=CPU_CFLAGS, ldflags=CPU_LDFLAGS, listed=tuple(listed))
 
 
 def zb_kernels():
