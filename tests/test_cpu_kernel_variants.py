@@ -50,7 +50,10 @@ def test_portable_variants_always_exist_and_this_cpu_gets_its_own():
 
 
 PACKED = [g for g in ("vnni", "amx") if g in available("gemm")]
-GEMM_SHAPES = [(1, 64, 16), (3, 72, 80), (15, 1, 17), (16, 200, 48), (17, 64, 1), (40, 130, 33)]
+# Rows on both sides of the AMX tile rows (16) and row pairs (32), K off the 64-k tiles, N ending
+# inside a 16-column block, a block pair and a 64-column group.
+GEMM_SHAPES = [(1, 64, 16), (3, 72, 80), (15, 1, 17), (16, 200, 48), (17, 64, 1), (40, 130, 33), (31, 65, 200),
+               (32, 128, 64), (33, 130, 97), (47, 64, 160), (64, 129, 17)]
 
 
 @pytest.mark.skipif(not PACKED, reason="no packed int8 GEMM on this CPU")
@@ -136,20 +139,24 @@ def expert_rows_case(variant, group_sizes, hidden, inter, seed):
     return (q, a, group_sizes, [w1], [s1], [b1], [w2], [s2], [b2])
 
 
-# Experts with 0 rows, rows on both sides of the AMX threshold (16) and of the VNNI row block (6);
-# widths that are not multiples of the 64-column groups (the gate / up boundary inside a group).
+# Experts with 0 rows, rows on both sides of the AMX threshold (16), of its row pairs (32) and of
+# the VNNI row block (6); widths that are not multiples of the 64-column groups (the gate / up
+# boundary inside a group). The last two exceed the 1 MiB of GEMM1 output per batch of experts:
+# batches of several experts, and one expert alone over the limit.
 EXPERT_ROWS = [
     dict(group_sizes=[0, 1, 15, 16, 7, 0, 40], hidden=72, inter=40),
     dict(group_sizes=[1, 1, 1, 1], hidden=128, inter=96),
     dict(group_sizes=[3, 0, 6, 13], hidden=64, inter=8),
+    dict(group_sizes=[300, 31, 5, 260, 33, 48], hidden=64, inter=264),
+    dict(group_sizes=[2, 610], hidden=48, inter=256),
 ]
 
 
 @pytest.mark.parametrize("variant", ["w8a8", "w4a8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_expert_kernels_auto_and_forced_variants_agree(variant, dtype):
-    """The automatic choice groups the experts with few rows (VNNI, one parallel region per stage)
-    and runs the others alone (AMX): every split must give the portable kernels' bits."""
+    """The automatic choice mixes VNNI (few rows) and AMX experts in batches that share one parallel
+    region per stage: every split must give the portable kernels' bits."""
     op = getattr(cpu_kernels(), f"expert_ffn_{variant}")
     for i, shape in enumerate(EXPERT_ROWS):
         args = expert_rows_case(variant, seed=20 + i, **shape)

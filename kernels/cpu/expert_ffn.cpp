@@ -13,6 +13,7 @@
 #include <ATen/ops/_int_mm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/exp.h>
+#include <ATen/ops/from_blob.h>
 
 #include <algorithm>
 #include <bit>
@@ -224,11 +225,9 @@ struct Expert {
   bool int4() const { return b1.defined(); }
 };
 
-// acc = q . w exactly (int4 weights: [2 rows, N], the hi then the lo nibbles of q) with the GEMM
-// variant selected for this many rows.
+// acc = q . w exactly with ATen's `_int_mm` (int4 weights: [2 rows, N], the hi then the lo nibbles
+// of q).
 at::Tensor int_matmul(const at::Tensor& q, const at::Tensor& w, bool int4) {
-  const GemmKernel kernel = gemm_kernel(q.size(0));
-  if (kernel != GemmKernel::kIntMm) return packed_matmul(q, *packed_matrix(w, int4), kernel);
   return int4 ? at::_int_mm(split_nibbles(q), unpack_int4(w)) : at::_int_mm(q, w.contiguous());
 }
 
@@ -261,8 +260,8 @@ void gmm2_stage(const at::Tensor& q2, const float* b, const Expert& ex, scalar_t
   dequant_gmm2(W4A8Dequant{hi, hi + rows * width, s, ex.b2.data_ptr<float>(), width, width}, rows, b, out);
 }
 
-// Steps 2-4 of one expert on its own, each stage threaded over rows or columns (the AMX and
-// `_int_mm` GEMMs). y: the expert's rows of the output.
+// Steps 2-4 of one expert on its own, each stage threaded over rows or columns (the `_int_mm`
+// GEMM). y: the expert's rows of the output.
 template <typename scalar_t>
 void expert_alone(const at::Tensor& qe, const float* a, const Expert& ex, int64_t inter, scalar_t* y) {
   const int64_t rows = qe.size(0);
@@ -276,34 +275,52 @@ void expert_alone(const at::Tensor& qe, const float* a, const Expert& ex, int64_
   gmm2_stage<scalar_t>(q2, b.data(), ex, y);
 }
 
-// An expert in the grouped VNNI path: its rows, weights and slices of the shared buffers.
-struct VnniExpert {
+// An expert in the grouped path of the packed GEMMs (VNNI or AMX, chosen by its row count): its rows,
+// weights and slices of the shared buffers.
+struct PackedExpert {
   int64_t start, rows, inter;
+  GemmKernel kernel;
   Expert ex;
   std::shared_ptr<const PackedMatrix> w1, w2;
   PackedRows rows1, rows2;
   int64_t d_at, gate_at;  // offsets into d (rows x 2I floats) and neg_gate / q2 (rows x I)
 };
 
-// Runs fn(expert, group) for every VNNI column group of matrix `which` of every expert in one
+// The accumulator rows an expert's group needs in the scratch of for_each_group (AMX pads to 16).
+int64_t scratch_rows(int64_t rows) { return (rows + 15) / 16 * 16; }
+
+// q . W on column group g of an expert's matrix: acc (and lo_acc for int4) of 64 ints per row.
+void packed_group(const PackedExpert& pe, const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_t* acc,
+                  int32_t* lo_acc) {
+  if (pe.kernel == GemmKernel::kAmx) return amx_group(rows, w, g, acc, lo_acc, kVnniGroupColumns);
+  vnni_group(rows, w, g, acc, lo_acc, kVnniGroupColumns);
+}
+
+PackedRows packed_rows(const PackedExpert& pe, const at::Tensor& q, const PackedMatrix& w) {
+  return pe.kernel == GemmKernel::kAmx ? amx_rows(q, w) : vnni_rows(q, w);
+}
+
+// Runs fn(expert, group) for every 64-column group of matrix `which` of every expert in one
 // parallel region: each thread takes a contiguous run of (expert, group) items of about equal cost
-// (weight bytes streamed, once per 6 rows). fn gets a per-thread int32 scratch of 2 x rows x 64.
+// (weight bytes streamed, once per 6 rows with VNNI, once per 32 with AMX). fn gets a per-thread
+// int32 scratch of 2 x scratch_rows(rows) x 64.
 template <typename Fn>
-void for_each_group(const std::vector<VnniExpert>& experts, std::shared_ptr<const PackedMatrix> VnniExpert::*which,
+void for_each_group(const std::vector<PackedExpert>& experts, std::shared_ptr<const PackedMatrix> PackedExpert::*which,
                     const Fn& fn) {
   std::vector<std::pair<int64_t, int64_t>> items;  // (expert, group)
   std::vector<double> until;                          // cumulative cost through each item
   double total = 0;
   int64_t max_rows = 0;
   for (int64_t x = 0; x < static_cast<int64_t>(experts.size()); ++x) {
-    const VnniExpert& ve = experts[x];
+    const PackedExpert& ve = experts[x];
     const PackedMatrix& w = *(ve.*which);
-    const double cost = static_cast<double>(w.kp) * (1 + (ve.rows - 1) / 6) + 64.0 * ve.rows;
+    const int64_t passes = ve.kernel == GemmKernel::kAmx ? (ve.rows + 31) / 32 : (ve.rows + 5) / 6;
+    const double cost = static_cast<double>(w.kp) * (1 + passes) + 64.0 * ve.rows;
     for (int64_t g = 0; g < vnni_groups(w); ++g) {
       items.emplace_back(x, g);
       until.push_back(total += cost);
     }
-    max_rows = std::max(max_rows, ve.rows);
+    max_rows = std::max(max_rows, scratch_rows(ve.rows));
   }
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
@@ -319,34 +336,41 @@ void for_each_group(const std::vector<VnniExpert>& experts, std::shared_ptr<cons
   });
 }
 
-// Steps 2-4 of every expert in `experts` with VNNI: GEMM1 of all experts in one parallel region
-// with the dequantisation fused per column group, SwiGLU and requantisation per expert in a
+// Steps 2-4 of every expert in `experts` with its packed GEMM: GEMM1 of all experts in one parallel
+// region with the dequantisation fused per column group, SwiGLU and requantisation per expert in a
 // second, GEMM2 with the dequantisation and cast fused in a third.
 template <typename scalar_t>
-void experts_vnni(std::vector<VnniExpert>& experts, const at::Tensor& q, const float* a, scalar_t* y,
+void experts_packed(std::vector<PackedExpert>& experts, const at::Tensor& q, const float* a, scalar_t* y,
                   int64_t hidden) {
   const bool vec = vector_kernel() == VectorKernel::kAvx512;
   int64_t d_size = 0, gate_size = 0;
-  for (VnniExpert& ve : experts) {
+  for (PackedExpert& ve : experts) {
     ve.d_at = d_size;
     ve.gate_at = gate_size;
     d_size += ve.rows * 2 * ve.inter;
     gate_size += ve.rows * ve.inter;
     ve.w1 = packed_matrix(ve.ex.w1, ve.ex.int4());
     ve.w2 = packed_matrix(ve.ex.w2, ve.ex.int4());
-    ve.rows1 = vnni_rows(q.narrow(0, ve.start, ve.rows), *ve.w1);
+    ve.rows1 = packed_rows(ve, q.narrow(0, ve.start, ve.rows), *ve.w1);
   }
-  at::Tensor d = at::empty({d_size}, q.options().dtype(at::kFloat));
-  at::Tensor neg_gate = at::empty({gate_size}, d.options());
-  at::Tensor q2 = at::empty({gate_size}, q.options());
+  // Kept per calling thread and grown on demand (about 1.6 MiB for a batch of kBatchBytes, more for
+  // one expert of more rows): fresh memory of this size costs a page fault per 4 KiB on every call.
+  thread_local std::vector<float> d_space, gate_space;
+  thread_local std::vector<int8_t> q2_space;
+  d_space.resize(std::max<size_t>(d_space.size(), d_size));
+  gate_space.resize(std::max<size_t>(gate_space.size(), gate_size));
+  q2_space.resize(std::max<size_t>(q2_space.size(), gate_size));
+  at::Tensor d = at::from_blob(d_space.data(), {d_size}, q.options().dtype(at::kFloat));
+  at::Tensor neg_gate = at::from_blob(gate_space.data(), {gate_size}, d.options());
+  at::Tensor q2 = at::from_blob(q2_space.data(), {gate_size}, q.options());
   std::vector<float> b(q.size(0));
   float* d_ptr = d.data_ptr<float>();
   float* ng_ptr = neg_gate.data_ptr<float>();
-  for_each_group(experts, &VnniExpert::w1, [&](const VnniExpert& ve, int64_t g, int32_t* acc) {
+  for_each_group(experts, &PackedExpert::w1, [&](const PackedExpert& ve, int64_t g, int32_t* acc) {
     const int64_t width = 2 * ve.inter, col = g * kVnniGroupColumns;
     const int64_t cols = std::min<int64_t>(kVnniGroupColumns, width - col);
-    int32_t* lo = acc + ve.rows * kVnniGroupColumns;
-    vnni_group(ve.rows1, *ve.w1, g, acc, lo, kVnniGroupColumns);
+    int32_t* lo = acc + scratch_rows(ve.rows) * kVnniGroupColumns;
+    packed_group(ve, ve.rows1, *ve.w1, g, acc, lo);
     const float* s = ve.ex.s1.data_ptr<float>() + col;
     const int64_t gate_cols = std::clamp<int64_t>(ve.inter - col, 0, cols);
     for (int64_t r = 0; r < ve.rows; ++r) {
@@ -362,29 +386,43 @@ void experts_vnni(std::vector<VnniExpert>& experts, const at::Tensor& q, const f
   });
 
   // ATen's exp computes each element alike wherever it sits in the tensor (vectorised, the tail
-  // too), so one call over every expert's block gives what per-expert calls give. Few values: exp
-  // and region B run on this thread (ATen does not fork inside an inline parallel_for).
+  // too), so one call over every expert's block gives what per-expert calls give. Region B runs
+  // over blocks of rows (an expert may be all the work); few values: exp and region B run on this
+  // thread (ATen does not fork inside an inline parallel_for).
+  constexpr int64_t kSwigluRows = 8;
+  std::vector<std::pair<int64_t, int64_t>> row_blocks;  // (expert, first row)
+  int64_t max_inter = 0;
+  for (int64_t x = 0; x < static_cast<int64_t>(experts.size()); ++x) {
+    for (int64_t r = 0; r < experts[x].rows; r += kSwigluRows) row_blocks.emplace_back(x, r);
+    max_inter = std::max(max_inter, experts[x].inter);
+  }
+  const int64_t n_blocks = static_cast<int64_t>(row_blocks.size());
   const int64_t n_experts = static_cast<int64_t>(experts.size());
   const bool inline_b = gate_size <= 32768;
   if (!inline_b) at::exp_(neg_gate);
-  at::parallel_for(0, n_experts, inline_b ? n_experts : 1, [&](int64_t e0, int64_t e1) {
+  at::parallel_for(0, n_blocks, inline_b ? n_blocks : 1, [&](int64_t i0, int64_t i1) {
     if (inline_b) at::exp_(neg_gate);
-    for (int64_t x = e0; x < e1; ++x) {
-      VnniExpert& ve = experts[x];
-      std::vector<float> h(ve.inter);
+    std::vector<float> h(max_inter);
+    for (int64_t i = i0; i < i1; ++i) {
+      const PackedExpert& ve = experts[row_blocks[i].first];
       int8_t* q2e = q2.data_ptr<int8_t>() + ve.gate_at;
-      for (int64_t r = 0; r < ve.rows; ++r) {
+      for (int64_t r = row_blocks[i].second; r < std::min(ve.rows, row_blocks[i].second + kSwigluRows); ++r) {
         const float* gate = d_ptr + ve.d_at + r * 2 * ve.inter;
         b[ve.start + r] = swiglu_requant_row(gate, gate + ve.inter, ng_ptr + ve.gate_at + r * ve.inter, h.data(),
                                              q2e + r * ve.inter, ve.inter, vec);
       }
-      ve.rows2 = vnni_rows(q2.narrow(0, ve.gate_at, ve.rows * ve.inter).view({ve.rows, ve.inter}), *ve.w2);
     }
   });
-  for_each_group(experts, &VnniExpert::w2, [&](const VnniExpert& ve, int64_t g, int32_t* acc) {
+  at::parallel_for(0, n_experts, inline_b ? n_experts : 1, [&](int64_t e0, int64_t e1) {
+    for (int64_t x = e0; x < e1; ++x) {
+      PackedExpert& ve = experts[x];
+      ve.rows2 = packed_rows(ve, q2.narrow(0, ve.gate_at, ve.rows * ve.inter).view({ve.rows, ve.inter}), *ve.w2);
+    }
+  });
+  for_each_group(experts, &PackedExpert::w2, [&](const PackedExpert& ve, int64_t g, int32_t* acc) {
     const int64_t col = g * kVnniGroupColumns, cols = std::min<int64_t>(kVnniGroupColumns, hidden - col);
-    int32_t* lo = acc + ve.rows * kVnniGroupColumns;
-    vnni_group(ve.rows2, *ve.w2, g, acc, lo, kVnniGroupColumns);
+    int32_t* lo = acc + scratch_rows(ve.rows) * kVnniGroupColumns;
+    packed_group(ve, ve.rows2, *ve.w2, g, acc, lo);
     const float* s = ve.ex.s2.data_ptr<float>() + col;
     float row[kVnniGroupColumns];
     for (int64_t r = 0; r < ve.rows; ++r) {
@@ -401,8 +439,8 @@ void experts_vnni(std::vector<VnniExpert>& experts, const at::Tensor& q, const f
 
 // Steps 2-4 for rows q [M, H] int8 grouped by local expert (group_sizes[e] rows for expert e, in
 // order) with per-row scales q_scale [M] float32; `load(e)` gives expert e's weights. Returns
-// y [M, H] of out_dtype. Experts whose rows pick the VNNI GEMM run together (experts_vnni), the
-// others one after another (expert_alone).
+// y [M, H] of out_dtype. Experts whose rows pick a packed GEMM run together (experts_packed), the
+// others (`_int_mm`) one after another (expert_alone).
 template <typename Load>
 at::Tensor expert_ffn(const char* name, const at::Tensor& q, const at::Tensor& q_scale, c10::IntArrayRef group_sizes,
                       at::ScalarType out_dtype, const Load& load) {
@@ -425,7 +463,7 @@ at::Tensor expert_ffn(const char* name, const at::Tensor& q, const at::Tensor& q
   const at::Tensor qc = q.contiguous();
   const at::Tensor ac = q_scale.contiguous();
   at::Tensor y = at::empty({total_rows, hidden}, qc.options().dtype(out_dtype));
-  std::vector<VnniExpert> grouped_vnni;
+  std::vector<PackedExpert> packed_experts;
   int64_t start = 0;
   for (int64_t e = 0; e < static_cast<int64_t>(group_sizes.size()); ++e) {
     const int64_t rows = group_sizes[e];
@@ -440,8 +478,9 @@ at::Tensor expert_ffn(const char* name, const at::Tensor& q, const at::Tensor& q
     TORCH_CHECK(ex.s1.numel() == 2 * inter && ex.s2.numel() == hidden &&
                     (!ex.b1.defined() || (ex.b1.numel() == 2 * inter && ex.b2.numel() == hidden)),
                 "_cam_jit_cpu::", name, ": expert ", e, " scale or bias lengths");
-    if (gemm_kernel(rows) == GemmKernel::kVnni) {
-      grouped_vnni.push_back(VnniExpert{start, rows, inter, ex, nullptr, nullptr, {}, {}, 0, 0});
+    const GemmKernel kernel = gemm_kernel(rows);
+    if (kernel != GemmKernel::kIntMm) {
+      packed_experts.push_back(PackedExpert{start, rows, inter, kernel, ex, nullptr, nullptr, {}, {}, 0, 0});
     } else {
       AT_DISPATCH_REDUCED_FLOATING_TYPES(out_dtype, "expert_ffn", [&] {
         expert_alone<scalar_t>(qc.narrow(0, start, rows), ac.data_ptr<float>() + start, ex, inter,
@@ -450,10 +489,21 @@ at::Tensor expert_ffn(const char* name, const at::Tensor& q, const at::Tensor& q
     }
     start += rows;
   }
-  if (!grouped_vnni.empty()) {
+  // The packed experts in batches of about kBatchBytes of GEMM1 output (at least one expert), so
+  // that the float stages between the GEMMs stay in L2.
+  constexpr int64_t kBatchBytes = 1 << 20;
+  const auto gmm1_bytes = [](const PackedExpert& pe) { return pe.rows * 2 * pe.inter * 4; };
+  for (auto first = packed_experts.begin(); first != packed_experts.end();) {
+    auto last = first + 1;
+    for (int64_t bytes = gmm1_bytes(*first); last != packed_experts.end() && bytes + gmm1_bytes(*last) <= kBatchBytes;
+         ++last) {
+      bytes += gmm1_bytes(*last);
+    }
+    std::vector<PackedExpert> batch(first, last);
     AT_DISPATCH_REDUCED_FLOATING_TYPES(out_dtype, "expert_ffn", [&] {
-      experts_vnni<scalar_t>(grouped_vnni, qc, ac.data_ptr<float>(), y.data_ptr<scalar_t>(), hidden);
+      experts_packed<scalar_t>(batch, qc, ac.data_ptr<float>(), y.data_ptr<scalar_t>(), hidden);
     });
+    first = last;
   }
   return y;
 }

@@ -400,7 +400,9 @@ struct VnniI4 {
 // ---------------------------------------------------------------------------------------------
 // AMX kernels: C tiles 0-3 (16 x 16 int32), A tiles 4-5 (16 rows x 64 k), B tiles 6-7 (64 k x 16
 // columns, straight from the packed panel). Rows are padded to multiples of 16 in the activation
-// and output buffers.
+// and output buffers. The weights stream from memory once per call while a pair of panels is
+// reused from L2 by every row block, so while one pair runs the kernels prefetch the next pair's
+// bytes (the panels that follow in memory, up to `prefetch_end`) into L2, a few lines per k step.
 
 struct alignas(64) TileConfig {
   uint8_t palette_id = 1;
@@ -421,17 +423,31 @@ CAM_JIT_AMX void amx_configure() {
   __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
 }
 
-// C[mp, np] (ldc ints) for block pairs [p0, p1) of int8 B panels (each kp x 16 s8, 64-byte rows),
-// A [mp, kp] s8.
-CAM_JIT_AMX void amx_i8_pairs(const int8_t* a, int64_t mp, const uint8_t* panels, int64_t blocks, int64_t kp,
-                              int32_t* c, int64_t ldc, int64_t p0, int64_t p1) {
+// Prefetches [from, end) into L2 in `steps` about equal slices, one slice per call of next().
+struct PairPrefetch {
+  const char* line;
+  const char* end;
+  int64_t per_step;
+  PairPrefetch(const uint8_t* from, const uint8_t* limit, int64_t bytes, int64_t steps)
+      : line(reinterpret_cast<const char*>(from)),
+        end(reinterpret_cast<const char*>(std::min(from + std::max<int64_t>(bytes, 0), std::max(from, limit)))),
+        per_step((bytes / 64 + steps - 1) / steps) {}
+  void next() {
+    for (int64_t i = 0; i < per_step && line < end; ++i, line += 64) _mm_prefetch(line, _MM_HINT_T1);
+  }
+};
+
+// C[mp, 16 (b1 - b0)] (ldc ints) = A [mp, kp] s8 times the int8 B panels of 16-column blocks
+// [b0, b1) (each kp x 16 s8, 64-byte rows), two blocks per tile pass.
+CAM_JIT_AMX void amx_i8_blocks(const int8_t* a, int64_t mp, const uint8_t* panels, int64_t kp, int64_t b0,
+                               int64_t b1, const uint8_t* prefetch_end, int32_t* c, int64_t ldc) {
   const int64_t panel_bytes = kp * kBlockN;
   const int64_t ldc_bytes = ldc * 4;
-  for (int64_t p = p0; p < p1; ++p) {
-    const int64_t b = 2 * p;
-    const bool two_n = b + 1 < blocks;
-    const uint8_t* b0 = panels + b * panel_bytes;
-    const uint8_t* b1 = b0 + panel_bytes;
+  for (int64_t b = b0; b < b1; b += 2) {
+    const bool two_n = b + 1 < b1;
+    const uint8_t* p0 = panels + b * panel_bytes;
+    const uint8_t* p1 = p0 + panel_bytes;
+    PairPrefetch prefetch(p0 + 2 * panel_bytes, prefetch_end, 2 * panel_bytes, (mp + 31) / 32 * (kp / kBlockK));
     for (int64_t r = 0; r < mp; r += 32) {
       const bool two_m = r + 16 < mp;
       const int8_t* a0 = a + r * kp;
@@ -441,11 +457,12 @@ CAM_JIT_AMX void amx_i8_pairs(const int8_t* a, int64_t mp, const uint8_t* panels
       _tile_zero(2);
       _tile_zero(3);
       for (int64_t k = 0; k < kp; k += kBlockK) {
+        prefetch.next();
         _tile_loadd(4, a0 + k, kp);
-        _tile_loadd(6, b0 + k * kBlockN, 64);
+        _tile_loadd(6, p0 + k * kBlockN, 64);
         _tile_dpbssd(0, 4, 6);
         if (two_n) {
-          _tile_loadd(7, b1 + k * kBlockN, 64);
+          _tile_loadd(7, p1 + k * kBlockN, 64);
           _tile_dpbssd(1, 4, 7);
         }
         if (two_m) {
@@ -454,7 +471,7 @@ CAM_JIT_AMX void amx_i8_pairs(const int8_t* a, int64_t mp, const uint8_t* panels
           if (two_n) _tile_dpbssd(3, 5, 7);
         }
       }
-      int32_t* c0 = c + r * ldc + b * kBlockN;
+      int32_t* c0 = c + r * ldc + (b - b0) * kBlockN;
       _tile_stored(0, c0, ldc_bytes);
       if (two_n) _tile_stored(1, c0 + kBlockN, ldc_bytes);
       if (two_m) {
@@ -468,16 +485,15 @@ CAM_JIT_AMX void amx_i8_pairs(const int8_t* a, int64_t mp, const uint8_t* panels
 // W4A8: per pair of 16-column blocks, the int4 panels are unpacked once into `scratch` (2 x kp x
 // 16 s8), then every 16-row block of hi and lo runs against them: C tiles 0 / 1 = hi x block 0 / 1,
 // 2 / 3 = lo x block 0 / 1.
-CAM_JIT_AMX void amx_i4_pairs(const int8_t* hi, const int8_t* lo, int64_t mp, const uint8_t* panels, int64_t blocks,
-                              int64_t kp, int32_t* c_hi, int32_t* c_lo, int64_t ldc, int64_t p0, int64_t p1,
-                              uint8_t* scratch) {
+CAM_JIT_AMX void amx_i4_blocks(const int8_t* hi, const int8_t* lo, int64_t mp, const uint8_t* panels, int64_t kp,
+                               int64_t b0, int64_t b1, const uint8_t* prefetch_end, int32_t* c_hi, int32_t* c_lo,
+                               int64_t ldc, uint8_t* scratch) {
   const int64_t panel_bytes = kp * kBlockN / 2;
   const int64_t ldc_bytes = ldc * 4;
   const __m512i low4 = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8);
   uint8_t* const unpacked[2] = {scratch, scratch + kp * kBlockN};
-  for (int64_t p = p0; p < p1; ++p) {
-    const int64_t b = 2 * p;
-    const bool two_n = b + 1 < blocks;
+  for (int64_t b = b0; b < b1; b += 2) {
+    const bool two_n = b + 1 < b1;
     for (int64_t half = 0; half < (two_n ? 2 : 1); ++half) {
       const uint8_t* src = panels + (b + half) * panel_bytes;
       for (int64_t pair = 0; pair < kp / 8; ++pair) {
@@ -487,12 +503,14 @@ CAM_JIT_AMX void amx_i4_pairs(const int8_t* hi, const int8_t* lo, int64_t mp, co
                            _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), eight));
       }
     }
+    PairPrefetch prefetch(panels + (b + 2) * panel_bytes, prefetch_end, 2 * panel_bytes, mp / 16 * (kp / kBlockK));
     for (int64_t r = 0; r < mp; r += 16) {
       _tile_zero(0);
       _tile_zero(1);
       _tile_zero(2);
       _tile_zero(3);
       for (int64_t k = 0; k < kp; k += kBlockK) {
+        prefetch.next();
         _tile_loadd(4, hi + r * kp + k, kp);
         _tile_loadd(5, lo + r * kp + k, kp);
         _tile_loadd(6, unpacked[0] + k * kBlockN, 64);
@@ -504,7 +522,7 @@ CAM_JIT_AMX void amx_i4_pairs(const int8_t* hi, const int8_t* lo, int64_t mp, co
           _tile_dpbssd(3, 5, 7);
         }
       }
-      const int64_t at = r * ldc + b * kBlockN;
+      const int64_t at = r * ldc + (b - b0) * kBlockN;
       _tile_stored(0, c_hi + at, ldc_bytes);
       _tile_stored(2, c_lo + at, ldc_bytes);
       if (two_n) {
@@ -605,6 +623,36 @@ void vnni_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_
 #endif
 }
 
+PackedRows amx_rows(const at::Tensor& q, const PackedMatrix& w) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(1) == w.k,
+              "cam_jit amx_rows: q must be contiguous int8 [M, ", w.k, "], got ", q.sizes());
+  return prepare_activations(q, w.kp, round_up(std::max<int64_t>(q.size(0), 1), 16),
+                             w.int4 ? ActForm::kNibbles : ActForm::kS8);
+}
+
+void amx_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_t* acc, int32_t* lo_acc, int64_t ld) {
+#if defined(CAM_JIT_X86)
+  const int64_t mp = rows.a.size(0);
+  const int64_t blocks = w.np / kBlockN;
+  const int64_t b0 = g * kVnniNr, b1 = std::min<int64_t>(b0 + kVnniNr, blocks);
+  const uint8_t* panels = w.panel.data_ptr<uint8_t>();
+  const uint8_t* end = panels + w.panel.nbytes();
+  amx_configure();
+  if (!w.int4) {
+    amx_i8_blocks(rows.a.data_ptr<int8_t>(), mp, panels, w.kp, b0, b1, end, acc, ld);
+  } else {
+    thread_local std::vector<uint8_t> raw;
+    raw.resize(2 * w.kp * kBlockN + 64);
+    uint8_t* scratch = reinterpret_cast<uint8_t*>(round_up(reinterpret_cast<intptr_t>(raw.data()), 64));
+    amx_i4_blocks(rows.a.data_ptr<int8_t>(), rows.b.data_ptr<int8_t>(), mp, panels, w.kp, b0, b1, end, acc, lo_acc,
+                  ld, scratch);
+  }
+  amx_release();
+#else
+  TORCH_CHECK(false, "cam_jit amx_group: no AMX kernel on this architecture");
+#endif
+}
+
 at::Tensor packed_matmul(const at::Tensor& q, const PackedMatrix& w, GemmKernel kernel) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(1) == w.k,
               "cam_jit packed_matmul: q must be contiguous int8 [M, ", w.k, "], got ", q.sizes());
@@ -625,33 +673,18 @@ at::Tensor packed_matmul(const at::Tensor& q, const PackedMatrix& w, GemmKernel 
     });
     return out;
   }
-  // AMX
-  const int64_t mp = round_up(std::max<int64_t>(m, 1), 16);
-  at::Tensor c = at::empty({parts, mp, w.np}, q.options().dtype(at::kInt));
+  // AMX: the column groups into a buffer of padded rows, then the [M, N] corner of it.
+  const int64_t groups = vnni_groups(w);
+  if (m == 0) return at::empty({0, w.n}, q.options().dtype(at::kInt));
+  const PackedRows rows = amx_rows(q, w);
+  const int64_t mp = rows.a.size(0), ld = groups * kVnniGroupColumns;
+  at::Tensor c = at::empty({parts, mp, ld}, q.options().dtype(at::kInt));
   int32_t* cp = c.data_ptr<int32_t>();
-  const uint8_t* panels = w.panel.data_ptr<uint8_t>();
-  const int64_t blocks = w.np / kBlockN;
-  if (!w.int4) {
-    const PackedRows act = prepare_activations(q, w.kp, mp, ActForm::kS8);
-    const int8_t* a = act.a.data_ptr<int8_t>();
-    at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
-      amx_configure();
-      amx_i8_pairs(a, mp, panels, blocks, w.kp, cp, w.np, p0, p1);
-      amx_release();
-    });
-  } else {
-    const PackedRows act = prepare_activations(q, w.kp, mp, ActForm::kNibbles);
-    const int8_t* hi = act.a.data_ptr<int8_t>();
-    const int8_t* lo = act.b.data_ptr<int8_t>();
-    at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
-      std::vector<uint8_t> raw(2 * w.kp * kBlockN + 64);
-      uint8_t* scratch = reinterpret_cast<uint8_t*>(round_up(reinterpret_cast<intptr_t>(raw.data()), 64));
-      amx_configure();
-      amx_i4_pairs(hi, lo, mp, panels, blocks, w.kp, cp, cp + mp * w.np, w.np, p0, p1, scratch);
-      amx_release();
-    });
-  }
-  if (mp == m && w.np == w.n) return c.view({parts * m, w.n});
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      amx_group(rows, w, g, cp + g * kVnniGroupColumns, cp + mp * ld + g * kVnniGroupColumns, ld);
+    }
+  });
   return c.narrow(1, 0, m).narrow(2, 0, w.n).contiguous().view({parts * m, w.n});
 #else
   TORCH_CHECK(false, "cam_jit packed_matmul: no packed kernel on this architecture");

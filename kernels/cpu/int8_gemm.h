@@ -62,6 +62,14 @@ int64_t vnni_groups(const PackedMatrix& w);
 void vnni_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_t* acc, int32_t* lo_acc,
                 int64_t ld);
 
+// The AMX product on the same column groups as the VNNI one (vnni_groups(w) of them). amx_rows: q
+// [M, K] int8 contiguous prepared for amx_group against w, rows padded with zeros to a multiple of
+// 16. amx_group: exact q . W on the 16-column blocks of group g into acc, which holds the padded
+// row count of `ld` ints each (ld >= 64): the group's blocks fill columns [0, 16 * blocks) with the
+// columns past N and the rows past M zero. int4 weights: hi . W into acc, lo . W into lo_acc.
+PackedRows amx_rows(const at::Tensor& q, const PackedMatrix& w);
+void amx_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_t* acc, int32_t* lo_acc, int64_t ld);
+
 // acc = q . W exactly, with q [M, K] int8 contiguous. W8A8: int32 [M, N]. int4 weights (W4A8):
 // int32 [2M, N], rows 0..M-1 = hi . W and rows M..2M-1 = lo . W with hi = q >> 4 and
 // lo = (q & 15) - 8 (the W4A8 nibble split). `kernel` is kVnni or kAmx.
