@@ -51,9 +51,11 @@ def test_portable_variants_always_exist_and_this_cpu_gets_its_own():
 
 PACKED = [g for g in ("vnni", "amx") if g in available("gemm")]
 # Rows on both sides of the AMX tile rows (16) and row pairs (32), K off the 64-k tiles, N ending
-# inside a 16-column block, a block pair and a 64-column group.
+# inside a 16-column block, a block pair and a 64-column group; (1|7, 600, 200): one row and an odd
+# row block (the int4 VNNI kernel's two accumulators per output for one row) over several column
+# groups per thread, with int4 panels longer than the prefetch distance (it runs on into the next group).
 GEMM_SHAPES = [(1, 64, 16), (3, 72, 80), (15, 1, 17), (16, 200, 48), (17, 64, 1), (40, 130, 33), (31, 65, 200),
-               (32, 128, 64), (33, 130, 97), (47, 64, 160), (64, 129, 17)]
+               (32, 128, 64), (33, 130, 97), (47, 64, 160), (64, 129, 17), (1, 600, 200), (7, 600, 200)]
 
 
 @pytest.mark.skipif(not PACKED, reason="no packed int8 GEMM on this CPU")

@@ -275,6 +275,12 @@ void expert_alone(const at::Tensor& qe, const float* a, const Expert& ex, int64_
   gmm2_stage<scalar_t>(q2, b.data(), ex, y);
 }
 
+// Starts fetching the `cols` floats at v (a column group's scales or biases): at decode sizes they
+// come from memory, and the epilogue would wait for them after the group's GEMM.
+void prefetch_floats(const float* v, int64_t cols) {
+  for (int64_t j = 0; j < cols; j += 16) __builtin_prefetch(v + j);
+}
+
 // An expert in the grouped path of the packed GEMMs (VNNI or AMX, chosen by its row count): its rows,
 // weights and slices of the shared buffers.
 struct PackedExpert {
@@ -290,20 +296,22 @@ struct PackedExpert {
 int64_t scratch_rows(int64_t rows) { return (rows + 15) / 16 * 16; }
 
 // q . W on column group g of an expert's matrix: acc (and lo_acc for int4) of 64 ints per row.
+// next: the group this thread runs after it (vnni_group prefetches into it).
 void packed_group(const PackedExpert& pe, const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_t* acc,
-                  int32_t* lo_acc) {
+                  int32_t* lo_acc, VnniNext next) {
   if (pe.kernel == GemmKernel::kAmx) return amx_group(rows, w, g, acc, lo_acc, kVnniGroupColumns);
-  vnni_group(rows, w, g, acc, lo_acc, kVnniGroupColumns);
+  vnni_group(rows, w, g, acc, lo_acc, kVnniGroupColumns, next);
 }
 
 PackedRows packed_rows(const PackedExpert& pe, const at::Tensor& q, const PackedMatrix& w) {
   return pe.kernel == GemmKernel::kAmx ? amx_rows(q, w) : vnni_rows(q, w);
 }
 
-// Runs fn(expert, group) for every 64-column group of matrix `which` of every expert in one
-// parallel region: each thread takes a contiguous run of (expert, group) items of about equal cost
-// (weight bytes streamed, once per 6 rows with VNNI, once per 32 with AMX). fn gets a per-thread
-// int32 scratch of 2 x scratch_rows(rows) x 64.
+// Runs fn(expert, group, next, scratch) for every 64-column group of matrix `which` of every expert
+// in one parallel region: each thread takes a contiguous run of (expert, group) items of about equal
+// cost (weight bytes streamed, once per 6 rows with VNNI, once per 32 with AMX). next: the group the
+// thread runs after this one (for packed_group); scratch: a per-thread int32 buffer of
+// 2 x scratch_rows(rows) x 64.
 template <typename Fn>
 void for_each_group(const std::vector<PackedExpert>& experts, std::shared_ptr<const PackedMatrix> PackedExpert::*which,
                     const Fn& fn) {
@@ -331,7 +339,11 @@ void for_each_group(const std::vector<PackedExpert>& experts, std::shared_ptr<co
       const auto hi = t + 1 == threads ? static_cast<int64_t>(items.size())
                                        : std::upper_bound(until.begin(), until.end(), total * (t + 1) / threads) -
                                              until.begin();
-      for (int64_t i = lo; i < hi; ++i) fn(experts[items[i].first], items[i].second, scratch.data());
+      for (int64_t i = lo; i < hi; ++i) {
+        const VnniNext next = i + 1 < hi ? VnniNext{(experts[items[i + 1].first].*which).get(), items[i + 1].second}
+                                         : VnniNext{};
+        fn(experts[items[i].first], items[i].second, next, scratch.data());
+      }
     }
   });
 }
@@ -366,17 +378,20 @@ void experts_packed(std::vector<PackedExpert>& experts, const at::Tensor& q, con
   std::vector<float> b(q.size(0));
   float* d_ptr = d.data_ptr<float>();
   float* ng_ptr = neg_gate.data_ptr<float>();
-  for_each_group(experts, &PackedExpert::w1, [&](const PackedExpert& ve, int64_t g, int32_t* acc) {
+  for_each_group(experts, &PackedExpert::w1, [&](const PackedExpert& ve, int64_t g, VnniNext next, int32_t* acc) {
     const int64_t width = 2 * ve.inter, col = g * kVnniGroupColumns;
     const int64_t cols = std::min<int64_t>(kVnniGroupColumns, width - col);
     int32_t* lo = acc + scratch_rows(ve.rows) * kVnniGroupColumns;
-    packed_group(ve, ve.rows1, *ve.w1, g, acc, lo);
     const float* s = ve.ex.s1.data_ptr<float>() + col;
+    const float* bias = ve.ex.int4() ? ve.ex.b1.data_ptr<float>() + col : nullptr;
+    prefetch_floats(s, cols);
+    if (bias != nullptr) prefetch_floats(bias, cols);
+    packed_group(ve, ve.rows1, *ve.w1, g, acc, lo, next);
     const int64_t gate_cols = std::clamp<int64_t>(ve.inter - col, 0, cols);
     for (int64_t r = 0; r < ve.rows; ++r) {
       float* dr = d_ptr + ve.d_at + r * width + col;
       if (ve.ex.int4()) {
-        const W4A8Dequant dq{acc, lo, s, ve.ex.b1.data_ptr<float>() + col, cols, kVnniGroupColumns};
+        const W4A8Dequant dq{acc, lo, s, bias, cols, kVnniGroupColumns};
         dequant_row(dq, r, a[ve.start + r], dr, vec);
       } else {
         dequant_row(W8A8Dequant{acc, s, cols, kVnniGroupColumns}, r, a[ve.start + r], dr, vec);
@@ -419,15 +434,18 @@ void experts_packed(std::vector<PackedExpert>& experts, const at::Tensor& q, con
       ve.rows2 = packed_rows(ve, q2.narrow(0, ve.gate_at, ve.rows * ve.inter).view({ve.rows, ve.inter}), *ve.w2);
     }
   });
-  for_each_group(experts, &PackedExpert::w2, [&](const PackedExpert& ve, int64_t g, int32_t* acc) {
+  for_each_group(experts, &PackedExpert::w2, [&](const PackedExpert& ve, int64_t g, VnniNext next, int32_t* acc) {
     const int64_t col = g * kVnniGroupColumns, cols = std::min<int64_t>(kVnniGroupColumns, hidden - col);
     int32_t* lo = acc + scratch_rows(ve.rows) * kVnniGroupColumns;
-    packed_group(ve, ve.rows2, *ve.w2, g, acc, lo);
     const float* s = ve.ex.s2.data_ptr<float>() + col;
+    const float* bias = ve.ex.int4() ? ve.ex.b2.data_ptr<float>() + col : nullptr;
+    prefetch_floats(s, cols);
+    if (bias != nullptr) prefetch_floats(bias, cols);
+    packed_group(ve, ve.rows2, *ve.w2, g, acc, lo, next);
     float row[kVnniGroupColumns];
     for (int64_t r = 0; r < ve.rows; ++r) {
       if (ve.ex.int4()) {
-        const W4A8Dequant dq{acc, lo, s, ve.ex.b2.data_ptr<float>() + col, cols, kVnniGroupColumns};
+        const W4A8Dequant dq{acc, lo, s, bias, cols, kVnniGroupColumns};
         dequant_row(dq, r, b[ve.start + r], row, vec);
       } else {
         dequant_row(W8A8Dequant{acc, s, cols, kVnniGroupColumns}, r, b[ve.start + r], row, vec);

@@ -11,7 +11,6 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <c10/core/StorageImpl.h>
 
 #include <algorithm>
@@ -22,6 +21,7 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -334,18 +334,32 @@ CAM_JIT_AVX512 void vnni_i8_block(const uint8_t* a, int64_t lda, const uint8_t* 
   }
 }
 
+// int4 weights: each 64-byte panel row holds k-groups 2p (low nibbles) and 2p + 1 (high nibbles) of
+// 16 columns. A single row (MR == 1, the decode case) keeps two accumulators per output, one per
+// k-group, so that the two vpdpbusd of a k step do not wait on each other; more rows have no
+// registers for that. The prefetch runs kPrefetchBytes ahead in each panel and, past the panel's
+// end, on into the panels this thread multiplies next (`next`, panels `next_panel_bytes` apart): at
+// decode sizes a panel is 8-16 KiB, and fetching the first 2 KiB of every panel on demand costs a
+// quarter of the time.
 template <int MR, int NR>
 CAM_JIT_AVX512 void vnni_i4_block(const int8_t* hi, const int8_t* lo, int64_t lda, const uint8_t* panel,
                                   int64_t panel_bytes, int64_t k8s, const int32_t* hi_sum8, const int32_t* lo_sum8,
-                                  int32_t* out_hi, int32_t* out_lo, int64_t ldo, int64_t ncols) {
-  __m512i acc_hi[MR][NR], acc_lo[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc_hi[i][j] = acc_lo[i][j] = _mm512_setzero_si512();
+                                  int32_t* out_hi, int32_t* out_lo, int64_t ldo, int64_t ncols, const uint8_t* next,
+                                  int64_t next_panel_bytes) {
+  constexpr int S = MR == 1 ? 2 : 1;  // accumulators per output
+  __m512i acc_hi[S][MR][NR], acc_lo[S][MR][NR];
+  for (int s = 0; s < S; ++s)
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) acc_hi[s][i][j] = acc_lo[s][i][j] = _mm512_setzero_si512();
   const __m512i low4 = _mm512_set1_epi8(15);
+  const int64_t wrap = panel_bytes - kPrefetchBytes;  // from this offset on, prefetch into `next`
   for (int64_t k8 = 0; k8 < k8s; ++k8) {
+    const bool own = k8 * 64 < wrap;
+    const uint8_t* ahead = own ? panel + k8 * 64 + kPrefetchBytes : next + (k8 * 64 - wrap);
+    const int64_t ahead_stride = own ? panel_bytes : next_panel_bytes;
     __m512i w0[NR], w1[NR];
     for (int j = 0; j < NR; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(panel + j * panel_bytes + k8 * 64 + kPrefetchBytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + j * ahead_stride), _MM_HINT_T0);
       const __m512i v = _mm512_load_si512(panel + j * panel_bytes + k8 * 64);
       w0[j] = _mm512_and_si512(v, low4);
       w1[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
@@ -357,8 +371,10 @@ CAM_JIT_AVX512 void vnni_i4_block(const int8_t* hi, const int8_t* lo, int64_t ld
       const __m512i h0 = _mm512_set1_epi32(h[0]), h1 = _mm512_set1_epi32(h[1]);
       const __m512i l0 = _mm512_set1_epi32(l[0]), l1 = _mm512_set1_epi32(l[1]);
       for (int j = 0; j < NR; ++j) {
-        acc_hi[i][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc_hi[i][j], w0[j], h0), w1[j], h1);
-        acc_lo[i][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc_lo[i][j], w0[j], l0), w1[j], l1);
+        acc_hi[0][i][j] = _mm512_dpbusd_epi32(acc_hi[0][i][j], w0[j], h0);
+        acc_hi[S - 1][i][j] = _mm512_dpbusd_epi32(acc_hi[S - 1][i][j], w1[j], h1);
+        acc_lo[0][i][j] = _mm512_dpbusd_epi32(acc_lo[0][i][j], w0[j], l0);
+        acc_lo[S - 1][i][j] = _mm512_dpbusd_epi32(acc_lo[S - 1][i][j], w1[j], l1);
       }
     }
   }
@@ -366,10 +382,15 @@ CAM_JIT_AVX512 void vnni_i4_block(const int8_t* hi, const int8_t* lo, int64_t ld
     const int64_t valid = std::min<int64_t>(kBlockN, ncols - j * kBlockN);
     const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
     for (int i = 0; i < MR; ++i) {
+      __m512i h = acc_hi[0][i][j], l = acc_lo[0][i][j];
+      if constexpr (S == 2) {
+        h = _mm512_add_epi32(h, acc_hi[1][i][j]);
+        l = _mm512_add_epi32(l, acc_lo[1][i][j]);
+      }
       _mm512_mask_storeu_epi32(out_hi + i * ldo + j * kBlockN, mask,
-                               _mm512_sub_epi32(acc_hi[i][j], _mm512_set1_epi32(hi_sum8[i])));
+                               _mm512_sub_epi32(h, _mm512_set1_epi32(hi_sum8[i])));
       _mm512_mask_storeu_epi32(out_lo + i * ldo + j * kBlockN, mask,
-                               _mm512_sub_epi32(acc_lo[i][j], _mm512_set1_epi32(lo_sum8[i])));
+                               _mm512_sub_epi32(l, _mm512_set1_epi32(lo_sum8[i])));
     }
   }
 }
@@ -540,6 +561,29 @@ CAM_JIT_AMX void amx_release() { _tile_release(); }
 // VNNI operand q + 128 (as q ^ 0x80); kS8: q itself; hi / lo: the W4A8 nibble split.
 enum class ActForm { kU8, kS8, kNibbles };
 
+#if defined(CAM_JIT_X86)
+// The W4A8 nibble split of one row q[0..k): hi = q >> 4 and lo = (q & 15) - 8 into hi[0..kp),
+// lo[0..kp) (zeros from k on, kp a multiple of 64); returns {sum hi, sum lo}. Through the unsigned
+// nibbles (q + 128) >> 4 = hi + 8 and q & 15 = lo + 8, whose sums vpsadbw takes.
+CAM_JIT_AVX512 std::pair<int64_t, int64_t> split_row_nibbles(const int8_t* q, int64_t k, int64_t kp, int8_t* hi,
+                                                             int8_t* lo) {
+  const __m512i low4 = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8), zero = _mm512_setzero_si512();
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i sum_hi = zero, sum_lo = zero;
+  for (int64_t j = 0; j < kp; j += 64) {
+    const __mmask64 mask = k - j >= 64 ? ~0ull : (k > j ? (1ull << (k - j)) - 1 : 0ull);
+    const __m512i v = _mm512_maskz_loadu_epi8(mask, q + j);
+    const __m512i uh = _mm512_and_si512(_mm512_srli_epi16(_mm512_xor_si512(v, flip), 4), low4);
+    const __m512i ul = _mm512_and_si512(v, low4);
+    _mm512_storeu_si512(hi + j, _mm512_maskz_sub_epi8(mask, uh, eight));
+    _mm512_storeu_si512(lo + j, _mm512_maskz_sub_epi8(mask, ul, eight));
+    sum_hi = _mm512_add_epi64(sum_hi, _mm512_sad_epu8(_mm512_maskz_mov_epi8(mask, uh), zero));
+    sum_lo = _mm512_add_epi64(sum_lo, _mm512_sad_epu8(ul, zero));
+  }
+  return {_mm512_reduce_add_epi64(sum_hi) - 8 * k, _mm512_reduce_add_epi64(sum_lo) - 8 * k};
+}
+#endif
+
 PackedRows prepare_activations(const at::Tensor& q, int64_t kp, int64_t rows_out, ActForm form) {
   const int64_t m = q.size(0), k = q.size(1);
   const int8_t* src = q.data_ptr<int8_t>();
@@ -556,25 +600,24 @@ PackedRows prepare_activations(const at::Tensor& q, int64_t kp, int64_t rows_out
     std::memset(a + m * kp, 0, (rows_out - m) * kp);
     return out;
   }
-  out.b = at::zeros({rows_out, kp}, q.options());
-  out.sum8 = at::zeros({2, rows_out}, q.options().dtype(at::kInt));
-  std::memset(a, 0, rows_out * kp);
+#if defined(CAM_JIT_X86)
+  out.b = at::empty({rows_out, kp}, q.options());
+  out.sum8 = at::empty({2, rows_out}, q.options().dtype(at::kInt));
   int8_t* b = out.b.data_ptr<int8_t>();
   int32_t* sum8 = out.sum8.data_ptr<int32_t>();
   for (int64_t r = 0; r < m; ++r) {
-    int32_t sh = 0, sl = 0;
-    for (int64_t j = 0; j < k; ++j) {
-      const int32_t v = src[r * k + j];
-      const int8_t h = static_cast<int8_t>(v >> 4), l = static_cast<int8_t>((v & 15) - 8);
-      a[r * kp + j] = h;
-      b[r * kp + j] = l;
-      sh += h;
-      sl += l;
-    }
-    sum8[r] = 8 * sh;
-    sum8[rows_out + r] = 8 * sl;
+    const auto [sum_hi, sum_lo] = split_row_nibbles(src + r * k, k, kp, a + r * kp, b + r * kp);
+    sum8[r] = static_cast<int32_t>(8 * sum_hi);
+    sum8[rows_out + r] = static_cast<int32_t>(8 * sum_lo);
   }
+  std::memset(a + m * kp, 0, (rows_out - m) * kp);
+  std::memset(b + m * kp, 0, (rows_out - m) * kp);
+  std::fill(sum8 + m, sum8 + rows_out, 0);
+  std::fill(sum8 + rows_out + m, sum8 + 2 * rows_out, 0);
   return out;
+#else
+  TORCH_CHECK(false, "cam_jit prepare_activations: no int4 kernel on this architecture");
+#endif
 }
 
 }  // namespace
@@ -588,7 +631,7 @@ PackedRows vnni_rows(const at::Tensor& q, const PackedMatrix& w) {
 int64_t vnni_groups(const PackedMatrix& w) { return (w.np / kBlockN + kVnniNr - 1) / kVnniNr; }
 
 void vnni_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_t* acc, int32_t* lo_acc,
-                int64_t ld) {
+                int64_t ld, VnniNext next) {
 #if defined(CAM_JIT_X86)
   const int64_t m = rows.m;
   const int64_t b = g * kVnniNr;
@@ -612,11 +655,20 @@ void vnni_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_
   const int32_t* hi_sum8 = rows.sum8.data_ptr<int32_t>();
   const int32_t* lo_sum8 = hi_sum8 + m;
   const uint8_t* panel = w.panel.data_ptr<uint8_t>() + b * panel_bytes;
+  // After each row block but the last comes this group again (its panels back from L2 into L1).
+  const uint8_t* next_panel = panel;
+  int64_t next_panel_bytes = panel_bytes;
+  if (next.w != nullptr && next.w->int4) {
+    next_panel_bytes = next.w->kp * kBlockN / 2;
+    next_panel = next.w->panel.data_ptr<uint8_t>() + next.g * kVnniNr * next_panel_bytes;
+  }
   for (int64_t r = 0; r < m; r += kVnniMrI4) {
     const int mr = static_cast<int>(std::min<int64_t>(kVnniMrI4, m - r));
+    const bool last = r + mr == m;
     dispatch_block<kVnniMrI4, kVnniNr, VnniI4>(mr, nr, hi + r * w.kp, lo + r * w.kp, w.kp, panel, panel_bytes,
                                                w.kp / 8, hi_sum8 + r, lo_sum8 + r, acc + r * ld, lo_acc + r * ld, ld,
-                                               ncols);
+                                               ncols, last ? next_panel : panel,
+                                               last ? next_panel_bytes : panel_bytes);
   }
 #else
   TORCH_CHECK(false, "cam_jit vnni_group: no VNNI kernel on this architecture");
@@ -668,7 +720,8 @@ at::Tensor packed_matmul(const at::Tensor& q, const PackedMatrix& w, GemmKernel 
     int32_t* o = out.data_ptr<int32_t>();
     at::parallel_for(0, vnni_groups(w), 1, [&](int64_t g0, int64_t g1) {
       for (int64_t g = g0; g < g1; ++g) {
-        vnni_group(rows, w, g, o + g * kVnniGroupColumns, o + m * w.n + g * kVnniGroupColumns, w.n);
+        vnni_group(rows, w, g, o + g * kVnniGroupColumns, o + m * w.n + g * kVnniGroupColumns, w.n,
+                   g + 1 < g1 ? VnniNext{&w, g + 1} : VnniNext{});
       }
     });
     return out;

@@ -57,10 +57,16 @@ constexpr int64_t kVnniGroupColumns = 64;
 // q [M, K] int8 contiguous, K == w.k, prepared for vnni_group against w.
 PackedRows vnni_rows(const at::Tensor& q, const PackedMatrix& w);
 int64_t vnni_groups(const PackedMatrix& w);
+// A column group the calling thread multiplies after the current one (none: w == nullptr). The int4
+// kernel starts fetching its weights while it finishes the current group.
+struct VnniNext {
+  const PackedMatrix* w = nullptr;
+  int64_t g = 0;
+};
 // Exact q . W on the columns [64 g, min(64 g + 64, N)) of group g: acc[r * ld + c] for r < M and
 // c the column within the group. int4 weights: hi . W into acc, lo . W into lo_acc. Needs VNNI.
 void vnni_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_t* acc, int32_t* lo_acc,
-                int64_t ld);
+                int64_t ld, VnniNext next = {});
 
 // The AMX product on the same column groups as the VNNI one (vnni_groups(w) of them). amx_rows: q
 // [M, K] int8 contiguous prepared for amx_group against w, rows padded with zeros to a multiple of
