@@ -23,7 +23,10 @@ Caches: the suite never writes into the user's home. At configure time the sessi
   across sessions);
 - the torch-npu wheel cache of tests/wheel_cache.py, exported as ``CAM_JIT_TEST_WHEEL_DIR``:
   as given, else ``cam_jit-test-wheels`` under pytest's cache directory (``.pytest_cache/d/``).
+The directory holding the ``cam_jit`` this session imports is put first on ``PYTHONPATH``, so that
+the scripts the tests start (samples, benchmarks, CLI) run the same package, installed or not.
 """
+import importlib.util
 import os
 import shutil
 import sys
@@ -44,6 +47,10 @@ _created_cache = []
 
 
 def pytest_configure(config):
+    found = importlib.util.find_spec("cam_jit")
+    if found is not None:
+        package = os.path.dirname(os.path.dirname(found.origin))
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (package, os.environ.get("PYTHONPATH")) if p)
     kept = os.environ.get(SESSION_CACHE_VAR)
     if kept:
         os.environ["CAM_JIT_CACHE_DIR"] = kept
