@@ -367,6 +367,8 @@ void experts_packed(std::vector<PackedExpert>& experts, const at::Tensor& q, con
   }
   // Kept per calling thread and grown on demand (about 1.6 MiB for a batch of kBatchBytes, more for
   // one expert of more rows): fresh memory of this size costs a page fault per 4 KiB on every call.
+  // Buffers grown past kKeptStageFloats (a large prefill expert) are freed after the call.
+  constexpr size_t kKeptStageFloats = size_t{1} << 20;
   thread_local std::vector<float> d_space, gate_space;
   thread_local std::vector<int8_t> q2_space;
   d_space.resize(std::max<size_t>(d_space.size(), d_size));
@@ -453,6 +455,11 @@ void experts_packed(std::vector<PackedExpert>& experts, const at::Tensor& q, con
       cast_row(row, y + (ve.start + r) * hidden + col, cols, vec);
     }
   });
+  if (d_space.size() > kKeptStageFloats) {
+    std::vector<float>().swap(d_space);
+    std::vector<float>().swap(gate_space);
+    std::vector<int8_t>().swap(q2_space);
+  }
 }
 
 // Steps 2-4 for rows q [M, H] int8 grouped by local expert (group_sizes[e] rows for expert e, in
