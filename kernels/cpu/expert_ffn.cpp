@@ -295,12 +295,40 @@ struct PackedExpert {
 // The accumulator rows an expert's group needs in the scratch of for_each_group (AMX pads to 16).
 int64_t scratch_rows(int64_t rows) { return (rows + 15) / 16 * 16; }
 
-// q . W on column group g of an expert's matrix: acc (and lo_acc for int4) of 64 ints per row.
+// Column group g of one of an expert's packed GEMMs, multiplied (GroupProduct): its exact products
+// in the caller's scratch and the dequantisation of its `cols` columns from column `col` on.
+struct GroupProduct {
+  int64_t col, cols;
+  bool int4;
+  W8A8Dequant w8;
+  W4A8Dequant w4;
+};
+
+// out[j] = dequantised (r, p.col + j) * scale over the group's columns.
+void dequant_group_row(const GroupProduct& p, int64_t r, float scale, float* out, bool vec) {
+  if (p.int4) return dequant_row(p.w4, r, scale, out, vec);
+  dequant_row(p.w8, r, scale, out, vec);
+}
+
+// q . W on column group g of an expert's matrix w of `width` columns, its scales s and (W4A8) biases
+// bias: acc (and, for int4, the lo products after scratch_rows(rows) rows of it) of 64 ints per row.
 // next: the group this thread runs after it (vnni_group prefetches into it).
-void packed_group(const PackedExpert& pe, const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_t* acc,
-                  int32_t* lo_acc, VnniNext next) {
-  if (pe.kernel == GemmKernel::kAmx) return amx_group(rows, w, g, acc, lo_acc, kVnniGroupColumns);
-  vnni_group(rows, w, g, acc, lo_acc, kVnniGroupColumns, next);
+GroupProduct group_product(const PackedExpert& pe, const PackedRows& rows, const PackedMatrix& w,
+                           const at::Tensor& s, const at::Tensor& bias, int64_t width, int64_t g, VnniNext next,
+                           int32_t* acc) {
+  const int64_t col = g * kVnniGroupColumns, cols = std::min<int64_t>(kVnniGroupColumns, width - col);
+  int32_t* lo = acc + scratch_rows(pe.rows) * kVnniGroupColumns;
+  const float* sp = s.data_ptr<float>() + col;
+  const float* bp = pe.ex.int4() ? bias.data_ptr<float>() + col : nullptr;
+  prefetch_floats(sp, cols);
+  if (bp != nullptr) prefetch_floats(bp, cols);
+  if (pe.kernel == GemmKernel::kAmx) {
+    amx_group(rows, w, g, acc, lo, kVnniGroupColumns);
+  } else {
+    vnni_group(rows, w, g, acc, lo, kVnniGroupColumns, next);
+  }
+  return {col, cols, pe.ex.int4(), W8A8Dequant{acc, sp, cols, kVnniGroupColumns},
+          W4A8Dequant{acc, lo, sp, bp, cols, kVnniGroupColumns}};
 }
 
 PackedRows packed_rows(const PackedExpert& pe, const at::Tensor& q, const PackedMatrix& w) {
@@ -310,7 +338,7 @@ PackedRows packed_rows(const PackedExpert& pe, const at::Tensor& q, const Packed
 // Runs fn(expert, group, next, scratch) for every 64-column group of matrix `which` of every expert
 // in one parallel region: each thread takes a contiguous run of (expert, group) items of about equal
 // cost (weight bytes streamed, once per 6 rows with VNNI, once per 32 with AMX). next: the group the
-// thread runs after this one (for packed_group); scratch: a per-thread int32 buffer of
+// thread runs after this one (for group_product); scratch: a per-thread int32 buffer of
 // 2 x scratch_rows(rows) x 64.
 template <typename Fn>
 void for_each_group(const std::vector<PackedExpert>& experts, std::shared_ptr<const PackedMatrix> PackedExpert::*which,
@@ -381,24 +409,13 @@ void experts_packed(std::vector<PackedExpert>& experts, const at::Tensor& q, con
   float* d_ptr = d.data_ptr<float>();
   float* ng_ptr = neg_gate.data_ptr<float>();
   for_each_group(experts, &PackedExpert::w1, [&](const PackedExpert& ve, int64_t g, VnniNext next, int32_t* acc) {
-    const int64_t width = 2 * ve.inter, col = g * kVnniGroupColumns;
-    const int64_t cols = std::min<int64_t>(kVnniGroupColumns, width - col);
-    int32_t* lo = acc + scratch_rows(ve.rows) * kVnniGroupColumns;
-    const float* s = ve.ex.s1.data_ptr<float>() + col;
-    const float* bias = ve.ex.int4() ? ve.ex.b1.data_ptr<float>() + col : nullptr;
-    prefetch_floats(s, cols);
-    if (bias != nullptr) prefetch_floats(bias, cols);
-    packed_group(ve, ve.rows1, *ve.w1, g, acc, lo, next);
-    const int64_t gate_cols = std::clamp<int64_t>(ve.inter - col, 0, cols);
+    const int64_t width = 2 * ve.inter;
+    const GroupProduct p = group_product(ve, ve.rows1, *ve.w1, ve.ex.s1, ve.ex.b1, width, g, next, acc);
+    const int64_t gate_cols = std::clamp<int64_t>(ve.inter - p.col, 0, p.cols);
     for (int64_t r = 0; r < ve.rows; ++r) {
-      float* dr = d_ptr + ve.d_at + r * width + col;
-      if (ve.ex.int4()) {
-        const W4A8Dequant dq{acc, lo, s, bias, cols, kVnniGroupColumns};
-        dequant_row(dq, r, a[ve.start + r], dr, vec);
-      } else {
-        dequant_row(W8A8Dequant{acc, s, cols, kVnniGroupColumns}, r, a[ve.start + r], dr, vec);
-      }
-      negate_row(dr, ng_ptr + ve.gate_at + r * ve.inter + col, gate_cols, vec);
+      float* dr = d_ptr + ve.d_at + r * width + p.col;
+      dequant_group_row(p, r, a[ve.start + r], dr, vec);
+      negate_row(dr, ng_ptr + ve.gate_at + r * ve.inter + p.col, gate_cols, vec);
     }
   });
 
@@ -437,22 +454,11 @@ void experts_packed(std::vector<PackedExpert>& experts, const at::Tensor& q, con
     }
   });
   for_each_group(experts, &PackedExpert::w2, [&](const PackedExpert& ve, int64_t g, VnniNext next, int32_t* acc) {
-    const int64_t col = g * kVnniGroupColumns, cols = std::min<int64_t>(kVnniGroupColumns, hidden - col);
-    int32_t* lo = acc + scratch_rows(ve.rows) * kVnniGroupColumns;
-    const float* s = ve.ex.s2.data_ptr<float>() + col;
-    const float* bias = ve.ex.int4() ? ve.ex.b2.data_ptr<float>() + col : nullptr;
-    prefetch_floats(s, cols);
-    if (bias != nullptr) prefetch_floats(bias, cols);
-    packed_group(ve, ve.rows2, *ve.w2, g, acc, lo, next);
+    const GroupProduct p = group_product(ve, ve.rows2, *ve.w2, ve.ex.s2, ve.ex.b2, hidden, g, next, acc);
     float row[kVnniGroupColumns];
     for (int64_t r = 0; r < ve.rows; ++r) {
-      if (ve.ex.int4()) {
-        const W4A8Dequant dq{acc, lo, s, bias, cols, kVnniGroupColumns};
-        dequant_row(dq, r, b[ve.start + r], row, vec);
-      } else {
-        dequant_row(W8A8Dequant{acc, s, cols, kVnniGroupColumns}, r, b[ve.start + r], row, vec);
-      }
-      cast_row(row, y + (ve.start + r) * hidden + col, cols, vec);
+      dequant_group_row(p, r, b[ve.start + r], row, vec);
+      cast_row(row, y + (ve.start + r) * hidden + p.col, p.cols, vec);
     }
   });
   if (d_space.size() > kKeptStageFloats) {
