@@ -140,17 +140,7 @@ def record(root: Path, backend: str, known: Known, content_key: str,
     text = "\n".join(lines)
     if text == known.text:
         return
-    folder = root / backend
-    try:
-        tmp = folder / f".{known.name}.{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-        try:
-            os.write(fd, text.encode())
-        finally:
-            os.close(fd)
-        os.replace(tmp, folder / known.name)
-    except OSError:
-        pass
+    trust.write_small(str(root / backend / known.name), text)
 
 
 def agrees(manifest: Mapping[str, Any], content_key: str, spec: BuildSpec, declared: Mapping[str, Any]) -> bool:

@@ -85,6 +85,23 @@ def read_small(path: str) -> Optional[str]:
         os.close(fd)
 
 
+def write_small(path: str, text: str) -> None:
+    """Replace the small cache file ``path`` by ``text`` atomically (a temporary file beside it,
+    created without following a symlink, then renamed); best effort: a read-only cache is left as
+    it is."""
+    folder, name = os.path.split(path)
+    tmp = os.path.join(folder, f".{name}.{os.getpid()}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        try:
+            os.write(fd, text.encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
 def library_name(manifest: dict) -> str:
     """The manifest's `library`: a plain file name (no directory part, not '.' or '..')."""
     name = manifest["library"]

@@ -41,7 +41,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from cam_jit.jit import spec as _spec_module
 from cam_jit.jit import trust
-from cam_jit.jit.memo import settled
+from cam_jit.jit.memo import identity, settled
 from cam_jit.jit.spec import BuildSpec, environment_facts
 from cam_jit.jit.toolchain import Compiler, requested_compiler
 
@@ -67,7 +67,7 @@ def _identity(path: str, settled_only: bool = False) -> str:
         return _UNKNOWN
     if settled_only and not settled(st):
         return _UNKNOWN
-    return f"{st.st_dev} {st.st_ino} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns}"
+    return identity(st)
 
 
 def _decided_by(backend: str, factory: Callable[[], BuildSpec]) -> str:
@@ -90,7 +90,7 @@ def vouched(root: str, backend: str, factory: Callable[[], BuildSpec]) -> Option
     if len(lines) != 5 or lines[0] != FORMAT or lines[1] != _decided_by(backend, factory) or \
             "\t".join(map(_identity, lines[2].split("\t"))) != lines[3]:
         return None
-    relative, _, identity = lines[4].partition("\t")
+    relative, _, library = lines[4].partition("\t")
     parts = relative.split("/")
     if len(parts) != 3 or not all(parts) or any(p in (".", "..") for p in parts):
         return None
@@ -99,7 +99,7 @@ def vouched(root: str, backend: str, factory: Callable[[], BuildSpec]) -> Option
         st = trust.check_entry(root, entry, (MANIFEST, parts[2]))[-1]
     except FileNotFoundError:
         return None
-    if f"{st.st_dev} {st.st_ino} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns}" != identity:
+    if identity(st) != library:
         return None
     return entry, parts[2]
 
@@ -128,20 +128,10 @@ def record(root: str, spec: BuildSpec, factory: Callable[[], BuildSpec], files: 
         return
     text = "\n".join([FORMAT, _decided_by(spec.backend, factory), "\t".join(paths), "\t".join(identities),
                       f"{entry[0]}/{entry[1]}/{entry[2]}\t{library_identity}"])
-    folder = f"{root}{os.sep}{spec.backend}"
-    target = f"{folder}{os.sep}{PREFIX}{_PLACE}"
+    target = f"{root}{os.sep}{spec.backend}{os.sep}{PREFIX}{_PLACE}"
     if trust.read_small(target) == text:  # an untrusted record reads as None: it is replaced
         return
-    tmp = f"{folder}{os.sep}.{PREFIX}{_PLACE}.{os.getpid()}"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-        try:
-            os.write(fd, text.encode())
-        finally:
-            os.close(fd)
-        os.replace(tmp, target)
-    except OSError:
-        pass
+    trust.write_small(target, text)
 
 
 def _searched_before(compiler_path: str) -> Optional[Dict[str, str]]:
