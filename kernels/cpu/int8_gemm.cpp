@@ -301,27 +301,43 @@ namespace {
 // K loop streams NR packed panels once per row block.
 
 #if defined(CAM_JIT_X86)
+// acc += u8 . s8 in each int32 lane (vpdpbusd), accumulating in place. With the intrinsic GCC 12
+// copies every accumulator of a block into a spare register and back on each k step (and spills
+// from four rows on), which makes the kernels issue-bound at a few rows.
+CAM_JIT_AVX512 inline __m512i dpbusd(__m512i acc, __m512i u8, __m512i s8) {
+  __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "vm"(s8));
+  return acc;
+}
+
 // Bytes ahead of the current k step that the VNNI kernels prefetch in each panel they stream: at
 // M <= 6 they are bound by memory latency, and the hardware prefetcher alone keeps too few lines in
 // flight over 4 concurrent panels.
 constexpr int64_t kPrefetchBytes = 2048;
+// The prefetch runs kPrefetchBytes ahead in each panel and, past the panel's end, on into the
+// panels this thread multiplies next (`next`, panels `next_panel_bytes` apart), so that a group's
+// first lines are in flight when it starts.
 template <int MR, int NR>
 CAM_JIT_AVX512 void vnni_i8_block(const uint8_t* a, int64_t lda, const uint8_t* panel, int64_t panel_bytes,
-                                  int64_t k4s, const int32_t* comp, int32_t* out, int64_t ldo, int64_t ncols) {
+                                  int64_t k4s, const int32_t* comp, int32_t* out, int64_t ldo, int64_t ncols,
+                                  const uint8_t* next, int64_t next_panel_bytes) {
   __m512i acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_si512();
+  const int64_t wrap = panel_bytes - kPrefetchBytes;
   for (int64_t k4 = 0; k4 < k4s; ++k4) {
+    const bool own = k4 * 64 < wrap;
+    const uint8_t* ahead = own ? panel + k4 * 64 + kPrefetchBytes : next + (k4 * 64 - wrap);
+    const int64_t ahead_stride = own ? panel_bytes : next_panel_bytes;
     __m512i w[NR];
     for (int j = 0; j < NR; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(panel + j * panel_bytes + k4 * 64 + kPrefetchBytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + j * ahead_stride), _MM_HINT_T0);
       w[j] = _mm512_load_si512(panel + j * panel_bytes + k4 * 64);
     }
     for (int i = 0; i < MR; ++i) {
       int32_t bytes4;
       std::memcpy(&bytes4, a + i * lda + 4 * k4, 4);
       const __m512i x = _mm512_set1_epi32(bytes4);
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], x, w[j]);
+      for (int j = 0; j < NR; ++j) acc[i][j] = dpbusd(acc[i][j], x, w[j]);
     }
   }
   for (int j = 0; j < NR; ++j) {
@@ -371,10 +387,10 @@ CAM_JIT_AVX512 void vnni_i4_block(const int8_t* hi, const int8_t* lo, int64_t ld
       const __m512i h0 = _mm512_set1_epi32(h[0]), h1 = _mm512_set1_epi32(h[1]);
       const __m512i l0 = _mm512_set1_epi32(l[0]), l1 = _mm512_set1_epi32(l[1]);
       for (int j = 0; j < NR; ++j) {
-        acc_hi[0][i][j] = _mm512_dpbusd_epi32(acc_hi[0][i][j], w0[j], h0);
-        acc_hi[S - 1][i][j] = _mm512_dpbusd_epi32(acc_hi[S - 1][i][j], w1[j], h1);
-        acc_lo[0][i][j] = _mm512_dpbusd_epi32(acc_lo[0][i][j], w0[j], l0);
-        acc_lo[S - 1][i][j] = _mm512_dpbusd_epi32(acc_lo[S - 1][i][j], w1[j], l1);
+        acc_hi[0][i][j] = dpbusd(acc_hi[0][i][j], w0[j], h0);
+        acc_hi[S - 1][i][j] = dpbusd(acc_hi[S - 1][i][j], w1[j], h1);
+        acc_lo[0][i][j] = dpbusd(acc_lo[0][i][j], w0[j], l0);
+        acc_lo[S - 1][i][j] = dpbusd(acc_lo[S - 1][i][j], w1[j], l1);
       }
     }
   }
@@ -642,10 +658,18 @@ void vnni_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_
     const uint8_t* a = reinterpret_cast<const uint8_t*>(rows.a.data_ptr<int8_t>());
     const uint8_t* panel = w.panel.data_ptr<uint8_t>() + b * panel_bytes;
     const int32_t* comp = w.comp.data_ptr<int32_t>() + b * kBlockN;
+    const uint8_t* next_panel = panel;  // after each row block but the last: this group again
+    int64_t next_panel_bytes = panel_bytes;
+    if (next.w != nullptr && !next.w->int4) {
+      next_panel_bytes = next.w->kp * kBlockN;
+      next_panel = next.w->panel.data_ptr<uint8_t>() + next.g * kVnniNr * next_panel_bytes;
+    }
     for (int64_t r = 0; r < m; r += kVnniMrI8) {
       const int mr = static_cast<int>(std::min<int64_t>(kVnniMrI8, m - r));
+      const bool last = r + mr == m;
       dispatch_block<kVnniMrI8, kVnniNr, VnniI8>(mr, nr, a + r * w.kp, w.kp, panel, panel_bytes, w.kp / 4, comp,
-                                                 acc + r * ld, ld, ncols);
+                                                 acc + r * ld, ld, ncols, last ? next_panel : panel,
+                                                 last ? next_panel_bytes : panel_bytes);
     }
     return;
   }
