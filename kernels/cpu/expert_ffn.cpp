@@ -289,7 +289,7 @@ struct PackedExpert {
   Expert ex;
   std::shared_ptr<const PackedMatrix> w1, w2;
   PackedRows rows1, rows2;
-  int64_t d_at, gate_at;  // offsets into d (rows x 2I floats) and neg_gate / q2 (rows x I)
+  int64_t d_at, gate_at;  // offsets into d (rows x 2I floats) and neg_gate (rows x I)
 };
 
 // The accumulator rows an expert's group needs in the scratch of for_each_group (AMX pads to 16).
@@ -329,10 +329,6 @@ GroupProduct group_product(const PackedExpert& pe, const PackedRows& rows, const
   }
   return {col, cols, pe.ex.int4(), W8A8Dequant{acc, sp, cols, kVnniGroupColumns},
           W4A8Dequant{acc, lo, sp, bp, cols, kVnniGroupColumns}};
-}
-
-PackedRows packed_rows(const PackedExpert& pe, const at::Tensor& q, const PackedMatrix& w) {
-  return pe.kernel == GemmKernel::kAmx ? amx_rows(q, w) : vnni_rows(q, w);
 }
 
 // Runs fn(expert, group, next, scratch) for every 64-column group of matrix `which` of every expert
@@ -377,12 +373,14 @@ void for_each_group(const std::vector<PackedExpert>& experts, std::shared_ptr<co
 }
 
 // Steps 2-4 of every expert in `experts` with its packed GEMM: GEMM1 of all experts in one parallel
-// region with the dequantisation fused per column group, SwiGLU and requantisation per expert in a
-// second, GEMM2 with the dequantisation and cast fused in a third.
+// region with the dequantisation fused per column group, SwiGLU and requantisation over blocks of
+// rows in a second (each requantised row laid out for GEMM2 as it is made), GEMM2 with the
+// dequantisation and cast fused in a third.
 template <typename scalar_t>
 void experts_packed(std::vector<PackedExpert>& experts, const at::Tensor& q, const float* a, scalar_t* y,
                   int64_t hidden) {
   const bool vec = vector_kernel() == VectorKernel::kAvx512;
+  const int8_t* q_ptr = q.data_ptr<int8_t>();
   int64_t d_size = 0, gate_size = 0;
   for (PackedExpert& ve : experts) {
     ve.d_at = d_size;
@@ -391,23 +389,21 @@ void experts_packed(std::vector<PackedExpert>& experts, const at::Tensor& q, con
     gate_size += ve.rows * ve.inter;
     ve.w1 = packed_matrix(ve.ex.w1, ve.ex.int4());
     ve.w2 = packed_matrix(ve.ex.w2, ve.ex.int4());
-    ve.rows1 = packed_rows(ve, q.narrow(0, ve.start, ve.rows), *ve.w1);
+    ve.rows1 = packed_rows(*ve.w1, ve.rows, ve.kernel);
+    ve.rows2 = packed_rows(*ve.w2, ve.rows, ve.kernel);  // set by region B
+    for (int64_t r = 0; r < ve.rows; ++r) set_row(ve.rows1, r, q_ptr + (ve.start + r) * hidden);
   }
   // Kept per calling thread and grown on demand (about 1.6 MiB for a batch of kBatchBytes, more for
   // one expert of more rows): fresh memory of this size costs a page fault per 4 KiB on every call.
   // Buffers grown past kKeptStageFloats (a large prefill expert) are freed after the call.
   constexpr size_t kKeptStageFloats = size_t{1} << 20;
   thread_local std::vector<float> d_space, gate_space;
-  thread_local std::vector<int8_t> q2_space;
   d_space.resize(std::max<size_t>(d_space.size(), d_size));
   gate_space.resize(std::max<size_t>(gate_space.size(), gate_size));
-  q2_space.resize(std::max<size_t>(q2_space.size(), gate_size));
-  at::Tensor d = at::from_blob(d_space.data(), {d_size}, q.options().dtype(at::kFloat));
-  at::Tensor neg_gate = at::from_blob(gate_space.data(), {gate_size}, d.options());
-  at::Tensor q2 = at::from_blob(q2_space.data(), {gate_size}, q.options());
+  at::Tensor neg_gate = at::from_blob(gate_space.data(), {gate_size}, q.options().dtype(at::kFloat));
   std::vector<float> b(q.size(0));
-  float* d_ptr = d.data_ptr<float>();
-  float* ng_ptr = neg_gate.data_ptr<float>();
+  float* d_ptr = d_space.data();
+  float* ng_ptr = gate_space.data();
   for_each_group(experts, &PackedExpert::w1, [&](const PackedExpert& ve, int64_t g, VnniNext next, int32_t* acc) {
     const int64_t width = 2 * ve.inter;
     const GroupProduct p = group_product(ve, ve.rows1, *ve.w1, ve.ex.s1, ve.ex.b1, width, g, next, acc);
@@ -431,26 +427,20 @@ void experts_packed(std::vector<PackedExpert>& experts, const at::Tensor& q, con
     max_inter = std::max(max_inter, experts[x].inter);
   }
   const int64_t n_blocks = static_cast<int64_t>(row_blocks.size());
-  const int64_t n_experts = static_cast<int64_t>(experts.size());
   const bool inline_b = gate_size <= 32768;
   if (!inline_b) at::exp_(neg_gate);
   at::parallel_for(0, n_blocks, inline_b ? n_blocks : 1, [&](int64_t i0, int64_t i1) {
     if (inline_b) at::exp_(neg_gate);
     std::vector<float> h(max_inter);
+    std::vector<int8_t> q2(max_inter);
     for (int64_t i = i0; i < i1; ++i) {
       const PackedExpert& ve = experts[row_blocks[i].first];
-      int8_t* q2e = q2.data_ptr<int8_t>() + ve.gate_at;
       for (int64_t r = row_blocks[i].second; r < std::min(ve.rows, row_blocks[i].second + kSwigluRows); ++r) {
         const float* gate = d_ptr + ve.d_at + r * 2 * ve.inter;
         b[ve.start + r] = swiglu_requant_row(gate, gate + ve.inter, ng_ptr + ve.gate_at + r * ve.inter, h.data(),
-                                             q2e + r * ve.inter, ve.inter, vec);
+                                             q2.data(), ve.inter, vec);
+        set_row(ve.rows2, r, q2.data());
       }
-    }
-  });
-  at::parallel_for(0, n_experts, inline_b ? n_experts : 1, [&](int64_t e0, int64_t e1) {
-    for (int64_t x = e0; x < e1; ++x) {
-      PackedExpert& ve = experts[x];
-      ve.rows2 = packed_rows(ve, q2.narrow(0, ve.gate_at, ve.rows * ve.inter).view({ve.rows, ve.inter}), *ve.w2);
     }
   });
   for_each_group(experts, &PackedExpert::w2, [&](const PackedExpert& ve, int64_t g, VnniNext next, int32_t* acc) {
@@ -464,7 +454,6 @@ void experts_packed(std::vector<PackedExpert>& experts, const at::Tensor& q, con
   if (d_space.size() > kKeptStageFloats) {
     std::vector<float>().swap(d_space);
     std::vector<float>().swap(gate_space);
-    std::vector<int8_t>().swap(q2_space);
   }
 }
 

@@ -11,6 +11,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/core/StorageImpl.h>
 
 #include <algorithm>
@@ -573,10 +574,6 @@ CAM_JIT_AMX void amx_i4_blocks(const int8_t* hi, const int8_t* lo, int64_t mp, c
 CAM_JIT_AMX void amx_release() { _tile_release(); }
 #endif  // CAM_JIT_X86
 
-// Activations for the packed kernels: q [m, k] -> rows [rows_out, kp] with zero padding. kU8: the
-// VNNI operand q + 128 (as q ^ 0x80); kS8: q itself; hi / lo: the W4A8 nibble split.
-enum class ActForm { kU8, kS8, kNibbles };
-
 #if defined(CAM_JIT_X86)
 // The W4A8 nibble split of one row q[0..k): hi = q >> 4 and lo = (q & 15) - 8 into hi[0..kp),
 // lo[0..kp) (zeros from k on, kp a multiple of 64); returns {sum hi, sum lo}. Through the unsigned
@@ -600,49 +597,50 @@ CAM_JIT_AVX512 std::pair<int64_t, int64_t> split_row_nibbles(const int8_t* q, in
 }
 #endif
 
-PackedRows prepare_activations(const at::Tensor& q, int64_t kp, int64_t rows_out, ActForm form) {
-  const int64_t m = q.size(0), k = q.size(1);
-  const int8_t* src = q.data_ptr<int8_t>();
+}  // namespace
+
+PackedRows packed_rows(const PackedMatrix& w, int64_t m, GemmKernel kernel) {
+  TORCH_CHECK(m >= 0 && (kernel == GemmKernel::kVnni || kernel == GemmKernel::kAmx),
+              "cam_jit packed_rows: m must be >= 0 and the kernel packed, got ", m);
+  const int64_t rows_out = kernel == GemmKernel::kAmx ? round_up(std::max<int64_t>(m, 1), 16) : m;
+  const int64_t kp = w.kp;
+  const auto bytes = at::TensorOptions().dtype(at::kChar);
   PackedRows out;
   out.m = m;
-  out.a = at::empty({rows_out, kp}, q.options());
-  int8_t* a = out.a.data_ptr<int8_t>();
-  if (form != ActForm::kNibbles) {
-    const int8_t flip = form == ActForm::kU8 ? static_cast<int8_t>(0x80) : 0;
-    for (int64_t r = 0; r < m; ++r) {
-      for (int64_t j = 0; j < k; ++j) a[r * kp + j] = static_cast<int8_t>(src[r * k + j] ^ flip);
-      std::memset(a + r * kp + k, 0, kp - k);
-    }
-    std::memset(a + m * kp, 0, (rows_out - m) * kp);
-    return out;
+  out.k = w.k;
+  out.form = w.int4 ? RowForm::kNibbles : (kernel == GemmKernel::kAmx ? RowForm::kS8 : RowForm::kU8);
+  out.a = at::empty({rows_out, kp}, bytes);
+  std::memset(out.a.data_ptr<int8_t>() + m * kp, 0, (rows_out - m) * kp);
+  if (out.form == RowForm::kNibbles) {
+#if defined(CAM_JIT_X86)
+    out.b = at::empty({rows_out, kp}, bytes);
+    std::memset(out.b.data_ptr<int8_t>() + m * kp, 0, (rows_out - m) * kp);
+    out.sum8 = at::zeros({2, rows_out}, bytes.dtype(at::kInt));
+#else
+    TORCH_CHECK(false, "cam_jit packed_rows: no int4 kernel on this architecture");
+#endif
+  }
+  return out;
+}
+
+void set_row(const PackedRows& rows, int64_t r, const int8_t* q) {
+  const int64_t kp = rows.a.size(1), k = rows.k;
+  int8_t* a = rows.a.data_ptr<int8_t>() + r * kp;
+  if (rows.form != RowForm::kNibbles) {
+    const int8_t flip = rows.form == RowForm::kU8 ? static_cast<int8_t>(0x80) : 0;
+    for (int64_t j = 0; j < k; ++j) a[j] = static_cast<int8_t>(q[j] ^ flip);
+    std::memset(a + k, 0, kp - k);
+    return;
   }
 #if defined(CAM_JIT_X86)
-  out.b = at::empty({rows_out, kp}, q.options());
-  out.sum8 = at::empty({2, rows_out}, q.options().dtype(at::kInt));
-  int8_t* b = out.b.data_ptr<int8_t>();
-  int32_t* sum8 = out.sum8.data_ptr<int32_t>();
-  for (int64_t r = 0; r < m; ++r) {
-    const auto [sum_hi, sum_lo] = split_row_nibbles(src + r * k, k, kp, a + r * kp, b + r * kp);
-    sum8[r] = static_cast<int32_t>(8 * sum_hi);
-    sum8[rows_out + r] = static_cast<int32_t>(8 * sum_lo);
-  }
-  std::memset(a + m * kp, 0, (rows_out - m) * kp);
-  std::memset(b + m * kp, 0, (rows_out - m) * kp);
-  std::fill(sum8 + m, sum8 + rows_out, 0);
-  std::fill(sum8 + rows_out + m, sum8 + 2 * rows_out, 0);
-  return out;
-#else
-  TORCH_CHECK(false, "cam_jit prepare_activations: no int4 kernel on this architecture");
+  const auto [sum_hi, sum_lo] = split_row_nibbles(q, k, kp, a, rows.b.data_ptr<int8_t>() + r * kp);
+  int32_t* sum8 = rows.sum8.data_ptr<int32_t>();
+  sum8[r] = static_cast<int32_t>(8 * sum_hi);
+  sum8[rows.a.size(0) + r] = static_cast<int32_t>(8 * sum_lo);
 #endif
 }
 
-}  // namespace
 
-PackedRows vnni_rows(const at::Tensor& q, const PackedMatrix& w) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(1) == w.k,
-              "cam_jit vnni_rows: q must be contiguous int8 [M, ", w.k, "], got ", q.sizes());
-  return prepare_activations(q, w.kp, q.size(0), w.int4 ? ActForm::kNibbles : ActForm::kU8);
-}
 
 int64_t vnni_groups(const PackedMatrix& w) { return (w.np / kBlockN + kVnniNr - 1) / kVnniNr; }
 
@@ -699,13 +697,6 @@ void vnni_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_
 #endif
 }
 
-PackedRows amx_rows(const at::Tensor& q, const PackedMatrix& w) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(1) == w.k,
-              "cam_jit amx_rows: q must be contiguous int8 [M, ", w.k, "], got ", q.sizes());
-  return prepare_activations(q, w.kp, round_up(std::max<int64_t>(q.size(0), 1), 16),
-                             w.int4 ? ActForm::kNibbles : ActForm::kS8);
-}
-
 void amx_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_t* acc, int32_t* lo_acc, int64_t ld) {
 #if defined(CAM_JIT_X86)
   const int64_t mp = rows.a.size(0);
@@ -729,6 +720,18 @@ void amx_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_t
 #endif
 }
 
+namespace {
+
+// q [M, K] int8 contiguous (checked by the caller, K == w.k) as the rows of `kernel` against w.
+PackedRows rows_of(const at::Tensor& q, const PackedMatrix& w, GemmKernel kernel) {
+  PackedRows rows = packed_rows(w, q.size(0), kernel);
+  const int8_t* src = q.data_ptr<int8_t>();
+  for (int64_t r = 0; r < rows.m; ++r) set_row(rows, r, src + r * w.k);
+  return rows;
+}
+
+}  // namespace
+
 at::Tensor packed_matmul(const at::Tensor& q, const PackedMatrix& w, GemmKernel kernel) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(1) == w.k,
               "cam_jit packed_matmul: q must be contiguous int8 [M, ", w.k, "], got ", q.sizes());
@@ -740,7 +743,7 @@ at::Tensor packed_matmul(const at::Tensor& q, const PackedMatrix& w, GemmKernel 
   if (kernel == GemmKernel::kVnni) {
     at::Tensor out = at::empty({parts * m, w.n}, q.options().dtype(at::kInt));
     if (m == 0) return out;
-    const PackedRows rows = vnni_rows(q, w);
+    const PackedRows rows = rows_of(q, w, kernel);
     int32_t* o = out.data_ptr<int32_t>();
     at::parallel_for(0, vnni_groups(w), 1, [&](int64_t g0, int64_t g1) {
       for (int64_t g = g0; g < g1; ++g) {
@@ -753,7 +756,7 @@ at::Tensor packed_matmul(const at::Tensor& q, const PackedMatrix& w, GemmKernel 
   // AMX: the column groups into a buffer of padded rows, then the [M, N] corner of it.
   const int64_t groups = vnni_groups(w);
   if (m == 0) return at::empty({0, w.n}, q.options().dtype(at::kInt));
-  const PackedRows rows = amx_rows(q, w);
+  const PackedRows rows = rows_of(q, w, kernel);
   const int64_t mp = rows.a.size(0), ld = groups * kVnniGroupColumns;
   at::Tensor c = at::empty({parts, mp, ld}, q.options().dtype(at::kInt));
   int32_t* cp = c.data_ptr<int32_t>();

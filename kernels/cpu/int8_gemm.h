@@ -43,19 +43,27 @@ struct PackedMatrix {
 // packed afresh on every call.
 std::shared_ptr<const PackedMatrix> packed_matrix(const at::Tensor& w, bool int4);
 
-// Activation rows for the packed kernels, padded with zeros to Kp columns: `a` the rows themselves
-// (the VNNI operand q + 128 as u8 against int8 weights), or for int4 weights the nibble split
-// a = hi = q >> 4, b = lo = (q & 15) - 8 and sum8 int32 [2, rows] = 8 * their row sums.
+// How a packed kernel takes its activation rows: kU8 the VNNI operand q + 128 (as q ^ 0x80) against
+// int8 weights, kS8 q itself (AMX), kNibbles the W4A8 nibble split hi = q >> 4, lo = (q & 15) - 8.
+enum class RowForm { kU8, kS8, kNibbles };
+
+// Activation rows for the packed kernels, padded with zeros to Kp columns (and, for AMX, to a
+// multiple of 16 rows): `a` the rows in their form, for kNibbles a = hi, b = lo and sum8 int32
+// [2, padded rows] = 8 * their row sums.
 struct PackedRows {
   at::Tensor a, b, sum8;
-  int64_t m = 0;  // rows of q
+  int64_t m = 0, k = 0;  // rows and columns of q
+  RowForm form = RowForm::kU8;
 };
+
+// Room for m activation rows of K == w.k columns for `kernel` (kVnni or kAmx) against w, the padding
+// zeroed; set_row fills row r < m from q[0..K) int8 (rows may be set from several threads at once).
+PackedRows packed_rows(const PackedMatrix& w, int64_t m, GemmKernel kernel);
+void set_row(const PackedRows& rows, int64_t r, const int8_t* q);
 
 // The VNNI product q . W split into column groups of kVnniGroupColumns columns, the unit of work a
 // caller schedules (several products in one parallel region, epilogues fused per group).
 constexpr int64_t kVnniGroupColumns = 64;
-// q [M, K] int8 contiguous, K == w.k, prepared for vnni_group against w.
-PackedRows vnni_rows(const at::Tensor& q, const PackedMatrix& w);
 int64_t vnni_groups(const PackedMatrix& w);
 // A column group the calling thread multiplies after the current one (none: w == nullptr). The int4
 // kernel starts fetching its weights while it finishes the current group.
@@ -63,17 +71,17 @@ struct VnniNext {
   const PackedMatrix* w = nullptr;
   int64_t g = 0;
 };
-// Exact q . W on the columns [64 g, min(64 g + 64, N)) of group g: acc[r * ld + c] for r < M and
-// c the column within the group. int4 weights: hi . W into acc, lo . W into lo_acc. Needs VNNI.
+// Exact q . W on the columns [64 g, min(64 g + 64, N)) of group g, q the rows (packed_rows for kVnni):
+// acc[r * ld + c] for r < M and c the column within the group. int4 weights: hi . W into acc, lo . W
+// into lo_acc. Needs VNNI.
 void vnni_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_t* acc, int32_t* lo_acc,
                 int64_t ld, VnniNext next = {});
 
-// The AMX product on the same column groups as the VNNI one (vnni_groups(w) of them). amx_rows: q
-// [M, K] int8 contiguous prepared for amx_group against w, rows padded with zeros to a multiple of
-// 16. amx_group: exact q . W on the 16-column blocks of group g into acc, which holds the padded
-// row count of `ld` ints each (ld >= 64): the group's blocks fill columns [0, 16 * blocks) with the
-// columns past N and the rows past M zero. int4 weights: hi . W into acc, lo . W into lo_acc.
-PackedRows amx_rows(const at::Tensor& q, const PackedMatrix& w);
+// The AMX product on the same column groups as the VNNI one (vnni_groups(w) of them), q the rows
+// (packed_rows for kAmx, padded to a multiple of 16): exact q . W on the 16-column blocks of group g
+// into acc, which holds the padded row count of `ld` ints each (ld >= 64): the group's blocks fill
+// columns [0, 16 * blocks) with the columns past N and the rows past M zero. int4 weights: hi . W
+// into acc, lo . W into lo_acc.
 void amx_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_t* acc, int32_t* lo_acc, int64_t ld);
 
 // acc = q . W exactly, with q [M, K] int8 contiguous. W8A8: int32 [M, N]. int4 weights (W4A8):
