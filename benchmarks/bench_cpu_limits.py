@@ -1,7 +1,9 @@
 """The CPU MoE layer against its limits and its peers, in one run (issue 11's figures).
 
-One rank, W8A8, H=2048, I=1024, E=8, top-4, bf16 tokens, 4 layers of weights rotating so that
-they come from DRAM as in a real model; medians of interleaved repetitions. Printed side by side:
+One rank, W8A8, H=2048, I=1024, E=8, top-4, bf16 tokens, 4 layers of weights rotating (200 MB
+W8A8) so that a layer's weights are not in L2 when it is called, as in a real model (a large
+last-level cache may still hold part of them); medians of repetitions timed in alternating blocks
+(`interleaved`). Printed side by side:
 
 - the op vs per-expert `torch._int_mm` on the op's own rows (the two GEMMs of every active expert,
   nothing else), per batch size, and at BS 1 the fraction of the memory roofline it reaches
@@ -126,18 +128,20 @@ def packed_products_call(layers, ids):
     return per_expert_products(layers, ids, matmul)
 
 
-def interleaved(fns, reps):
-    """Median seconds per call of each fn(layer) -> ..., interleaved rep by rep, the layer
-    rotating (one warm-up rotation first)."""
-    for fn in fns.values():
-        for i in range(LAYERS):
-            fn(i)
+def interleaved(fns, reps, blocks=2):
+    """Median seconds per call of each fn(layer) -> ..., timed in blocks: each fn in turn runs a
+    warm-up rotation of the 4 layers and then `reps` rotations, so that it reaches the state it
+    has in a model's layer loop (what it reads between two calls on a layer is its own other
+    layers, never what another fn just brought into the caches); the blocks alternate `blocks`
+    times so that all fns see the same moments of a busy machine."""
     times = {name: [] for name in fns}
-    for rep in range(reps):
-        for i in range(LAYERS):
-            for name, fn in fns.items():
+    for _ in range(blocks):
+        for name, fn in fns.items():
+            for i in range(LAYERS):
+                fn(i)
+            for step in range(reps * LAYERS):
                 start = time.perf_counter()
-                fn((rep + i) % LAYERS)
+                fn(step % LAYERS)
                 times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 
