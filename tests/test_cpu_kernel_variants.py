@@ -159,17 +159,22 @@ EXPERT_ROWS = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_expert_kernels_auto_and_forced_variants_agree(variant, dtype):
     """The automatic choice mixes VNNI (few rows) and AMX experts in batches that share one parallel
-    region per stage: every split must give the portable kernels' bits."""
+    region per stage: every split must give the portable kernels' bits, with the grouped rows given
+    as they are or read through a row index (as the one-rank op reads its token rows)."""
     op = getattr(cpu_kernels(), f"expert_ffn_{variant}")
     for i, shape in enumerate(EXPERT_ROWS):
         args = expert_rows_case(variant, seed=20 + i, **shape)
+        q, a = args[0], args[1]
+        index = torch.randperm(q.shape[0], generator=torch.Generator().manual_seed(i))
+        grouped = (q[index], a[index], *args[2:])
         with forced("int_mm", "scalar"):
-            expected = op(*args, dtype)
+            expected = op(*grouped, dtype)
         for gemm in ["auto"] + available("gemm"):
             for vector in available("vector"):
                 with forced(gemm, vector):
-                    got = op(*args, dtype)
+                    got, got_indexed = op(*grouped, dtype), op(*args, dtype, index)
                 assert torch.equal(bits(got), bits(expected)), (variant, shape, gemm, vector)
+                assert torch.equal(bits(got_indexed), bits(expected)), (variant, shape, gemm, vector, "index")
 
 
 @pytest.mark.skipif(not PACKED, reason="no packed int8 GEMM on this CPU")

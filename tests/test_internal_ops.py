@@ -22,6 +22,10 @@ CASES = {
     # more groups than the per-expert weight list holds (ranks that disagreed on E used to segfault)
     "expert_ffn-list": "cpu.expert_ffn_w8a8(q, a, [1, 1, 1, 1], [w1, w1], [s1, s1], [w2, w2], [s2, s2], torch.bfloat16)",
     "expert_ffn-stacked": "cpu.expert_ffn_w8a8(q, a, [2, 2], [w1[None]], [s1[None]], [w2[None]], [s2[None]], torch.bfloat16)",
+    # a row index past the rows of q, and one of another dtype
+    "expert_ffn-index": "cpu.expert_ffn_w8a8(q, a, [2], [w1], [s1], [w2], [s2], torch.bfloat16, torch.tensor([0, 4]))",
+    "expert_ffn-index-dtype": "cpu.expert_ffn_w8a8(q, a, [2], [w1], [s1], [w2], [s2], torch.bfloat16, "
+                              "torch.tensor([0, 1], dtype=torch.int32))",
     "combine-rows": "cpu.combine(torch.zeros(2, 8, dtype=torch.bfloat16), torch.tensor([[5]]), torch.ones(1, 1), 1)",
     "quantize-index": "cpu.quantize_rows(torch.zeros(2, 8, dtype=torch.bfloat16), None, torch.tensor([7]), None)",
     # x with fewer rows than expert_ids, and smooth scales for fewer experts than the ids name

@@ -14,6 +14,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/exp.h>
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/index_select.h>
 
 #include <algorithm>
 #include <bit>
@@ -372,15 +373,24 @@ void for_each_group(const std::vector<PackedExpert>& experts, std::shared_ptr<co
   });
 }
 
+// The int8 rows of expert_ffn in expert order: row i is q[index[i]] (or q[i] without an index) of
+// `hidden` columns, with the per-row scale scale[i].
+struct GroupedRows {
+  const int8_t* q;
+  const int64_t* index;
+  const float* scale;
+  int64_t hidden, count;
+  const int8_t* row(int64_t i) const { return q + (index != nullptr ? index[i] : i) * hidden; }
+};
+
 // Steps 2-4 of every expert in `experts` with its packed GEMM: GEMM1 of all experts in one parallel
 // region with the dequantisation fused per column group, SwiGLU and requantisation over blocks of
 // rows in a second (each requantised row laid out for GEMM2 as it is made), GEMM2 with the
 // dequantisation and cast fused in a third.
 template <typename scalar_t>
-void experts_packed(std::vector<PackedExpert>& experts, const at::Tensor& q, const float* a, scalar_t* y,
-                  int64_t hidden) {
+void experts_packed(std::vector<PackedExpert>& experts, const GroupedRows& rows, scalar_t* y, int64_t hidden) {
   const bool vec = vector_kernel() == VectorKernel::kAvx512;
-  const int8_t* q_ptr = q.data_ptr<int8_t>();
+  const float* a = rows.scale;
   int64_t d_size = 0, gate_size = 0;
   for (PackedExpert& ve : experts) {
     ve.d_at = d_size;
@@ -391,7 +401,7 @@ void experts_packed(std::vector<PackedExpert>& experts, const at::Tensor& q, con
     ve.w2 = packed_matrix(ve.ex.w2, ve.ex.int4());
     ve.rows1 = packed_rows(*ve.w1, ve.rows, ve.kernel);
     ve.rows2 = packed_rows(*ve.w2, ve.rows, ve.kernel);  // set by region B
-    for (int64_t r = 0; r < ve.rows; ++r) set_row(ve.rows1, r, q_ptr + (ve.start + r) * hidden);
+    for (int64_t r = 0; r < ve.rows; ++r) set_row(ve.rows1, r, rows.row(ve.start + r));
   }
   // Kept per calling thread and grown on demand (about 1.6 MiB for a batch of kBatchBytes, more for
   // one expert of more rows): fresh memory of this size costs a page fault per 4 KiB on every call.
@@ -400,8 +410,8 @@ void experts_packed(std::vector<PackedExpert>& experts, const at::Tensor& q, con
   thread_local std::vector<float> d_space, gate_space;
   d_space.resize(std::max<size_t>(d_space.size(), d_size));
   gate_space.resize(std::max<size_t>(gate_space.size(), gate_size));
-  at::Tensor neg_gate = at::from_blob(gate_space.data(), {gate_size}, q.options().dtype(at::kFloat));
-  std::vector<float> b(q.size(0));
+  at::Tensor neg_gate = at::from_blob(gate_space.data(), {gate_size}, at::TensorOptions().dtype(at::kFloat));
+  std::vector<float> b(rows.count);
   float* d_ptr = d_space.data();
   float* ng_ptr = gate_space.data();
   for_each_group(experts, &PackedExpert::w1, [&](const PackedExpert& ve, int64_t g, VnniNext next, int32_t* acc) {
@@ -457,31 +467,48 @@ void experts_packed(std::vector<PackedExpert>& experts, const at::Tensor& q, con
   }
 }
 
-// Steps 2-4 for rows q [M, H] int8 grouped by local expert (group_sizes[e] rows for expert e, in
-// order) with per-row scales q_scale [M] float32; `load(e)` gives expert e's weights. Returns
-// y [M, H] of out_dtype. Experts whose rows pick a packed GEMM run together (experts_packed), the
-// others (`_int_mm`) one after another (expert_alone).
+// Steps 2-4 for M rows of int8 grouped by local expert (group_sizes[e] rows for expert e, in order):
+// q [M, H] with per-row scales q_scale [M] float32, or, with `row_index` (int64 [M]), row i is
+// q[row_index[i]] with scale q_scale[row_index[i]]. `load(e)` gives expert e's weights. Returns y [M, H] of
+// out_dtype. Experts whose rows pick a packed GEMM run together (experts_packed), the others
+// (`_int_mm`) one after another (expert_alone).
 template <typename Load>
 at::Tensor expert_ffn(const char* name, const at::Tensor& q, const at::Tensor& q_scale, c10::IntArrayRef group_sizes,
-                      at::ScalarType out_dtype, const Load& load) {
+                      at::ScalarType out_dtype, const c10::optional<at::Tensor>& row_index, const Load& load) {
   check_cpu(q, "q");
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "_cam_jit_cpu::", name, ": q must be int8 2-D");
   TORCH_CHECK(q_scale.scalar_type() == at::kFloat && q_scale.numel() == q.size(0),
               "_cam_jit_cpu::", name, ": q_scale must be float32 [", q.size(0), "]");
   TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kHalf,
               "_cam_jit_cpu::", name, ": out_dtype must be bfloat16 or float16");
-  const int64_t total_rows = q.size(0);
+  const at::Tensor qc = q.contiguous();
+  const at::Tensor ac = q_scale.contiguous();
+  at::Tensor index;
+  if (row_index.has_value()) {
+    check_cpu(*row_index, "rows");
+    TORCH_CHECK(row_index->dim() == 1 && row_index->scalar_type() == at::kLong, "_cam_jit_cpu::", name,
+                ": rows must be a 1-D int64 tensor, got ", row_index->scalar_type(), " ", row_index->sizes());
+    index = row_index->contiguous();
+  }
+  const int64_t total_rows = index.defined() ? index.numel() : q.size(0);
   const int64_t hidden = q.size(1);
   int64_t grouped = 0;
   for (const int64_t n : group_sizes) {
     TORCH_CHECK(n >= 0, "_cam_jit_cpu::", name, ": negative group size");
     grouped += n;
   }
-  TORCH_CHECK(grouped == total_rows, "_cam_jit_cpu::", name, ": group sizes sum to ", grouped, " but q has ",
+  TORCH_CHECK(grouped == total_rows, "_cam_jit_cpu::", name, ": group sizes sum to ", grouped, " but there are ",
               total_rows, " rows");
-
-  const at::Tensor qc = q.contiguous();
-  const at::Tensor ac = q_scale.contiguous();
+  // The rows' scales in expert order (the index checked on the way).
+  std::vector<float> scale(total_rows);
+  const float* a = ac.data_ptr<float>();
+  const int64_t* idx = index.defined() ? index.data_ptr<int64_t>() : nullptr;
+  for (int64_t i = 0; i < total_rows; ++i) {
+    TORCH_CHECK(idx == nullptr || (idx[i] >= 0 && idx[i] < q.size(0)), "_cam_jit_cpu::", name, ": rows[", i,
+                "] = ", idx == nullptr ? 0 : idx[i], " outside [0, ", q.size(0), ")");
+    scale[i] = a[idx != nullptr ? idx[i] : i];
+  }
+  const GroupedRows grouped_rows{qc.data_ptr<int8_t>(), idx, scale.data(), hidden, total_rows};
   at::Tensor y = at::empty({total_rows, hidden}, qc.options().dtype(out_dtype));
   std::vector<PackedExpert> packed_experts;
   int64_t start = 0;
@@ -502,9 +529,10 @@ at::Tensor expert_ffn(const char* name, const at::Tensor& q, const at::Tensor& q
     if (kernel != GemmKernel::kIntMm) {
       packed_experts.push_back(PackedExpert{start, rows, inter, kernel, ex, nullptr, nullptr, {}, {}, 0, 0});
     } else {
+      const at::Tensor qe =
+          idx != nullptr ? qc.index_select(0, index.narrow(0, start, rows)) : qc.narrow(0, start, rows);
       AT_DISPATCH_REDUCED_FLOATING_TYPES(out_dtype, "expert_ffn", [&] {
-        expert_alone<scalar_t>(qc.narrow(0, start, rows), ac.data_ptr<float>() + start, ex, inter,
-                               y.data_ptr<scalar_t>() + start * hidden);
+        expert_alone<scalar_t>(qe, scale.data() + start, ex, inter, y.data_ptr<scalar_t>() + start * hidden);
       });
     }
     start += rows;
@@ -521,7 +549,7 @@ at::Tensor expert_ffn(const char* name, const at::Tensor& q, const at::Tensor& q
     }
     std::vector<PackedExpert> batch(first, last);
     AT_DISPATCH_REDUCED_FLOATING_TYPES(out_dtype, "expert_ffn", [&] {
-      experts_packed<scalar_t>(batch, qc, ac.data_ptr<float>(), y.data_ptr<scalar_t>(), hidden);
+      experts_packed<scalar_t>(batch, grouped_rows, y.data_ptr<scalar_t>(), hidden);
     });
     first = last;
   }
@@ -538,13 +566,14 @@ at::Tensor int_weight(const char* name, const char* arg, at::TensorList containe
   return w;
 }
 
-// q: [M, H] int8 rows grouped by local expert; q_scale: [M] float32; w1/s1/w2/s2: weight
-// containers (§1.3) of [H, 2I] int8, [2I] float, [I, H] int8, [H] float. Returns y: [M, H].
+// q: [M, H] int8 rows grouped by local expert, or with rows (int64 [M]) the rows q[rows[i]]; q_scale:
+// float32, one per row of q; w1/s1/w2/s2: weight containers (§1.3) of [H, 2I] int8, [2I] float,
+// [I, H] int8, [H] float. Returns y: [M, H].
 at::Tensor expert_ffn_w8a8(const at::Tensor& q, const at::Tensor& q_scale, c10::IntArrayRef group_sizes,
                            at::TensorList w1, at::TensorList s1, at::TensorList w2, at::TensorList s2,
-                           at::ScalarType out_dtype) {
+                           at::ScalarType out_dtype, const c10::optional<at::Tensor>& rows) {
   constexpr const char* name = "expert_ffn_w8a8";
-  return expert_ffn(name, q, q_scale, group_sizes, out_dtype, [&](int64_t e) {
+  return expert_ffn(name, q, q_scale, group_sizes, out_dtype, rows, [&](int64_t e) {
     return Expert{int_weight(name, "gmm1 weight", w1, e, false), float_item(s1, e), at::Tensor(),
                   int_weight(name, "gmm2 weight", w2, e, false), float_item(s2, e), at::Tensor()};
   });
@@ -554,9 +583,10 @@ at::Tensor expert_ffn_w8a8(const at::Tensor& q, const at::Tensor& q_scale, c10::
 // packed int4 values, b1 [2I] and b2 [H] float32 compensation biases (containers as the others).
 at::Tensor expert_ffn_w4a8(const at::Tensor& q, const at::Tensor& q_scale, c10::IntArrayRef group_sizes,
                            at::TensorList w1, at::TensorList s1, at::TensorList b1, at::TensorList w2,
-                           at::TensorList s2, at::TensorList b2, at::ScalarType out_dtype) {
+                           at::TensorList s2, at::TensorList b2, at::ScalarType out_dtype,
+                           const c10::optional<at::Tensor>& rows) {
   constexpr const char* name = "expert_ffn_w4a8";
-  return expert_ffn(name, q, q_scale, group_sizes, out_dtype, [&](int64_t e) {
+  return expert_ffn(name, q, q_scale, group_sizes, out_dtype, rows, [&](int64_t e) {
     return Expert{int_weight(name, "gmm1 weight", w1, e, true), float_item(s1, e), float_item(b1, e),
                   int_weight(name, "gmm2 weight", w2, e, true), float_item(s2, e), float_item(b2, e)};
   });
@@ -568,10 +598,10 @@ at::Tensor expert_ffn_w4a8(const at::Tensor& q, const at::Tensor& q_scale, c10::
 TORCH_LIBRARY_FRAGMENT(_cam_jit_cpu, m) {
   m.def(
       "expert_ffn_w8a8(Tensor q, Tensor q_scale, int[] group_sizes, Tensor[] w1, Tensor[] s1, Tensor[] w2, "
-      "Tensor[] s2, ScalarType out_dtype) -> Tensor");
+      "Tensor[] s2, ScalarType out_dtype, Tensor? rows=None) -> Tensor");
   m.def(
       "expert_ffn_w4a8(Tensor q, Tensor q_scale, int[] group_sizes, Tensor[] w1, Tensor[] s1, Tensor[] b1, "
-      "Tensor[] w2, Tensor[] s2, Tensor[] b2, ScalarType out_dtype) -> Tensor");
+      "Tensor[] w2, Tensor[] s2, Tensor[] b2, ScalarType out_dtype, Tensor? rows=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(_cam_jit_cpu, CPU, m) {

@@ -114,28 +114,42 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x,
   return {q, scale};
 }
 
-// route_pairs, then each routed pair's quantised row and scale in route order (docs/semantics.md §1.8
-// step 1): with smooth_scales [E, H] pair (t, k) quantises x[t] * smooth_scales[expert]; without,
-// each active token is quantised once and its row copied to each of its pairs. Returns route_pairs'
-// five tensors, then q [P, H] int8 and scale [P] float32.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> route_and_quantize(
-    const at::Tensor& x, const at::Tensor& expert_ids, int64_t active, int64_t experts,
-    const c10::optional<at::Tensor>& smooth_scales) {
-  auto [pos, token, expert, counts, pair_rows] = route_pairs(expert_ids, active, experts);
+// route_pairs and the quantised rows (docs/semantics.md §1.8 step 1): with smooth_scales [E, H] one
+// row per routed pair in route order, pair (t, k) quantising x[t] * smooth_scales[expert]
+// (per_pair); without, one row per active token, each token quantised once (pair i's row is then
+// row token[i]).
+struct RoutedRows {
+  at::Tensor pos, token, expert, counts, pair_rows, q, scale;
+  bool per_pair = false;
+};
+
+RoutedRows quantize_routed(const at::Tensor& x, const at::Tensor& expert_ids, int64_t active, int64_t experts,
+                           const c10::optional<at::Tensor>& smooth_scales) {
+  RoutedRows out;
+  std::tie(out.pos, out.token, out.expert, out.counts, out.pair_rows) = route_pairs(expert_ids, active, experts);
   check_cpu(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.size(0) == expert_ids.size(0), "_cam_jit_cpu::route_and_quantize: x must be [",
               expert_ids.size(0), ", H] (the rows of expert_ids), got ", x.sizes());
-  if (smooth_scales.has_value()) {
-    auto [q, scale] = quantize_rows(x, smooth_scales, token, expert);
-    return {pos, token, expert, counts, pair_rows, q, scale};
-  }
-  auto [q_token, scale_token] = quantize_rows(x.narrow(0, 0, active), c10::nullopt, c10::nullopt, c10::nullopt);
-  const int64_t pairs = token.numel(), hidden = x.size(1);
-  at::Tensor q = at::empty({pairs, hidden}, q_token.options());
-  at::Tensor scale = at::empty({pairs}, scale_token.options());
-  const int64_t* t = token.data_ptr<int64_t>();
-  const int8_t* q_from = q_token.data_ptr<int8_t>();
-  const float* scale_from = scale_token.data_ptr<float>();
+  out.per_pair = smooth_scales.has_value();
+  std::tie(out.q, out.scale) = out.per_pair ? quantize_rows(x, smooth_scales, out.token, out.expert)
+                                            : quantize_rows(x.narrow(0, 0, active), c10::nullopt, c10::nullopt,
+                                                            c10::nullopt);
+  return out;
+}
+
+// route_pairs' five tensors, then each routed pair's quantised row q [P, H] int8 and scale [P]
+// float32 in route order (quantize_routed, each token's row copied to each of its pairs).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> route_and_quantize(
+    const at::Tensor& x, const at::Tensor& expert_ids, int64_t active, int64_t experts,
+    const c10::optional<at::Tensor>& smooth_scales) {
+  RoutedRows r = quantize_routed(x, expert_ids, active, experts, smooth_scales);
+  if (r.per_pair) return {r.pos, r.token, r.expert, r.counts, r.pair_rows, r.q, r.scale};
+  const int64_t pairs = r.token.numel(), hidden = x.size(1);
+  at::Tensor q = at::empty({pairs, hidden}, r.q.options());
+  at::Tensor scale = at::empty({pairs}, r.scale.options());
+  const int64_t* t = r.token.data_ptr<int64_t>();
+  const int8_t* q_from = r.q.data_ptr<int8_t>();
+  const float* scale_from = r.scale.data_ptr<float>();
   int8_t* q_to = q.data_ptr<int8_t>();
   float* scale_to = scale.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(hidden, 1));
@@ -145,7 +159,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
       scale_to[i] = scale_from[t[i]];
     }
   });
-  return {pos, token, expert, counts, pair_rows, q, scale};
+  return {r.pos, r.token, r.expert, r.counts, r.pair_rows, q, scale};
 }
 
 // docs/semantics.md §1.8 step 5. y holds one expert result per routed pair; pair_rows[t, k] is the row of
@@ -214,35 +228,37 @@ at::Tensor combine(const at::Tensor& y, const at::Tensor& pair_rows, const at::T
   return out;
 }
 
-// fused_deep_moe on one rank (docs/semantics.md §1.8; §1.9 for int32 W4A8 weights): route_and_quantize,
-// the expert FFN (_cam_jit_cpu::expert_ffn_w8a8 / _w4a8 on the rows, grouped by expert) and combine,
-// in one call. Weight containers as the expert FFN takes them (b1, b2: W4A8 biases, empty under
-// W8A8). Returns (output [BS, H] x.dtype, expert_token_nums [experts] int64).
+// fused_deep_moe on one rank (docs/semantics.md §1.8; §1.9 for int32 W4A8 weights): quantize_routed,
+// the expert FFN (_cam_jit_cpu::expert_ffn_w8a8 / _w4a8 on the pairs' rows grouped by expert, read
+// from the token rows where each token was quantised once) and combine, in one call. Weight
+// containers as the expert FFN takes them (b1, b2: W4A8 biases, empty under W8A8). Returns
+// (output [BS, H] x.dtype, expert_token_nums [experts] int64).
 std::tuple<at::Tensor, at::Tensor> moe_one_rank(const at::Tensor& x, const at::Tensor& expert_ids, int64_t active,
                                                 int64_t experts, const c10::optional<at::Tensor>& smooth_scales,
                                                 const at::Tensor& expert_scales, at::TensorList w1, at::TensorList s1,
                                                 at::TensorList b1, at::TensorList w2, at::TensorList s2,
                                                 at::TensorList b2) {
   TORCH_CHECK(!w1.empty(), "_cam_jit_cpu::moe_one_rank: w1 must hold at least one tensor");
-  auto [pos, token, expert, counts, pair_rows, q, scale] =
-      route_and_quantize(x, expert_ids, active, experts, smooth_scales);
-  const c10::IntArrayRef group_sizes(counts.data_ptr<int64_t>(), counts.numel());
+  const RoutedRows r = quantize_routed(x, expert_ids, active, experts, smooth_scales);
+  const c10::IntArrayRef group_sizes(r.counts.data_ptr<int64_t>(), r.counts.numel());
+  const c10::optional<at::Tensor> rows = r.per_pair ? c10::nullopt : c10::optional<at::Tensor>(r.token);
   at::Tensor y;
   if (w1[0].scalar_type() == at::kInt) {
     static const auto ffn = c10::Dispatcher::singleton()
                                 .findSchemaOrThrow("_cam_jit_cpu::expert_ffn_w4a8", "")
                                 .typed<at::Tensor(const at::Tensor&, const at::Tensor&, c10::IntArrayRef, at::TensorList,
                                                   at::TensorList, at::TensorList, at::TensorList, at::TensorList,
-                                                  at::TensorList, at::ScalarType)>();
-    y = ffn.call(q, scale, group_sizes, w1, s1, b1, w2, s2, b2, x.scalar_type());
+                                                  at::TensorList, at::ScalarType, const c10::optional<at::Tensor>&)>();
+    y = ffn.call(r.q, r.scale, group_sizes, w1, s1, b1, w2, s2, b2, x.scalar_type(), rows);
   } else {
     static const auto ffn = c10::Dispatcher::singleton()
                                 .findSchemaOrThrow("_cam_jit_cpu::expert_ffn_w8a8", "")
                                 .typed<at::Tensor(const at::Tensor&, const at::Tensor&, c10::IntArrayRef, at::TensorList,
-                                                  at::TensorList, at::TensorList, at::TensorList, at::ScalarType)>();
-    y = ffn.call(q, scale, group_sizes, w1, s1, w2, s2, x.scalar_type());
+                                                  at::TensorList, at::TensorList, at::TensorList, at::ScalarType,
+                                                  const c10::optional<at::Tensor>&)>();
+    y = ffn.call(r.q, r.scale, group_sizes, w1, s1, w2, s2, x.scalar_type(), rows);
   }
-  return {combine(y, pair_rows, expert_scales, active), counts};
+  return {combine(y, r.pair_rows, expert_scales, active), r.counts};
 }
 
 }  // namespace
