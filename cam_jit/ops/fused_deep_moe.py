@@ -350,11 +350,12 @@ def agreed_values(layout: Layout, x: torch.Tensor, weight_dtype: torch.dtype, mo
                              quant_mode)))
 
 
-def _routing_call(call, expert_ids, active: int, experts: int):
-    """call(): a C++ kernel that routes the first `active` rows of expert_ids and checks every id
-    on the way; when one is out of range the error names the argument as _check_expert_ids does."""
+def _routing_call(kernel, x, expert_ids, active: int, experts: int, *rest):
+    """kernel(x, expert_ids, active, experts, *rest): a C++ kernel that routes the first `active`
+    rows of expert_ids and checks every id on the way; when one is out of range the error names
+    the argument as _check_expert_ids does."""
     try:
-        return call()
+        return kernel(x, expert_ids, active, experts, *rest)
     except RuntimeError as err:
         routing_error = err
     _check_expert_ids(expert_ids[:active], experts)
@@ -375,12 +376,12 @@ def _cpu(x, expert_ids, gmm1_weight, gmm1_weight_scale, gmm2_weight, gmm2_weight
         active = layout.batch if x_active_mask is None else int(x_active_mask.sum())
         kernels = cpu_kernels()  # after validation: bad arguments fail without a kernel build
         if group is None:  # one rank: routing, quantisation, the expert FFN and combine in one C++ call
-            output, expert_token_nums = _routing_call(lambda: kernels.moe_one_rank(
-                x, expert_ids, active, moe_expert_num, expert_smooth_scales, expert_scales, gmm1_weight,
-                gmm1_weight_scale, gmm1_bias, gmm2_weight, gmm2_weight_scale, gmm2_bias), expert_ids, active, moe_expert_num)
+            output, expert_token_nums = _routing_call(
+                kernels.moe_one_rank, x, expert_ids, active, moe_expert_num, expert_smooth_scales, expert_scales,
+                gmm1_weight, gmm1_weight_scale, gmm1_bias, gmm2_weight, gmm2_weight_scale, gmm2_bias)
         else:
-            pos, token, expert, counts, pair_rows, q, q_scale = _routing_call(lambda: kernels.route_and_quantize(
-                x, expert_ids, active, moe_expert_num, expert_smooth_scales), expert_ids, active, moe_expert_num)
+            pos, token, expert, counts, pair_rows, q, q_scale = _routing_call(
+                kernels.route_and_quantize, x, expert_ids, active, moe_expert_num, expert_smooth_scales)
     except (TypeError, ValueError) as err:
         _moe_cpu.refuse(OP, group, AGREED, err)
     shared = []  # the shared expert's output, computed while the routed rows are in flight
