@@ -369,6 +369,11 @@ def test_the_validation_verdict_is_reused_per_argument_signature(monkeypatch):
     (dict(expert_ids=torch.tensor([[0, 1], [2, 9], [1, -1], [3, 2]], dtype=torch.int32)), ValueError,
      "'expert_ids': expected values in \\[-1, 4\\)"),  # the same signature as the good call: data is checked
     (dict(moe_expert_num=8), ValueError, "gmm1_weight.*expected shape \\[8, 64, 64\\]"),
+    (dict(gmm2_weight_scale=torch.full((E, H), 1e-3, device="meta")), ValueError,
+     "'gmm2_weight_scale': expected a tensor on cpu"),  # the good call's dtype and shape, another device
+    # the good call's weight and scale in one list: its signature but for the lists' lengths
+    (dict(gmm1_weight=[torch.zeros(E, H, 2 * I, dtype=torch.int8), torch.full((E, 2 * I), 1e-3)],
+          gmm1_weight_scale=[]), ValueError, "'gmm1_weight': expected a list of 1 stacked tensor or 4"),
 ])
 def test_a_cached_signature_never_lets_a_bad_call_through(bad, error, match):
     args = good_args()

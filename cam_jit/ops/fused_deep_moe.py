@@ -274,17 +274,22 @@ _VERDICTS_MAX = 256  # distinct signatures kept (shapes vary with the batch); th
 
 
 def _signature(values: Sequence[object]) -> tuple:
-    """What validate's verdict depends on in the arguments `values`: each tensor's dtype, device
-    and shape, each list's items, and any other value itself (never tensor data)."""
+    """What validate's verdict depends on in the arguments `values` (the schema's, in order), as
+    one flat tuple: each tensor's dtype, device (True for the CPU: the cheapest to read) and shape,
+    each list's length followed by its tensors' three, and any other value itself (never tensor
+    data). The schema fixes what each position holds, so equal tuples mean arguments equal in all
+    of that."""
     key = []
     for v in values:
         kind = type(v)
         if v is None or kind is int or kind is str:
             key.append(v)
         elif kind is list:
-            key.append(tuple([(t.dtype, t.device, t.shape) for t in v]))
+            key.append(len(v))
+            for t in v:
+                key += t.dtype, t.is_cpu or t.device, t.shape
         elif isinstance(v, torch.Tensor):
-            key.append((v.dtype, v.device, v.shape))
+            key += v.dtype, v.is_cpu or v.device, v.shape
         else:
             key.append(v)
     return tuple(key)
