@@ -385,26 +385,37 @@ def _cpu(x, expert_ids, gmm1_weight, gmm1_weight_scale, gmm2_weight, gmm2_weight
                 kernels.moe_one_rank, x, expert_ids, active, moe_expert_num, expert_smooth_scales, expert_scales,
                 gmm1_weight, gmm1_weight_scale, gmm1_bias, gmm2_weight, gmm2_weight_scale, gmm2_bias)
         else:
-            pos, token, expert, counts, pair_rows, q, q_scale = _routing_call(
-                kernels.route_and_quantize, x, expert_ids, active, moe_expert_num, expert_smooth_scales)
+            routed = _routing_call(kernels.route_and_quantize, x, expert_ids, active, moe_expert_num,
+                                   expert_smooth_scales)
     except (TypeError, ValueError) as err:
         _moe_cpu.refuse(OP, group, AGREED, err)
-    shared = []  # the shared expert's output, computed while the routed rows are in flight
-    if group is not None:
-        weights = (gmm1_weight, gmm1_weight_scale, gmm1_bias, gmm2_weight, gmm2_weight_scale, gmm2_bias)
-        agreed = agreed_values(layout, x, gmm1_weight[0].dtype, moe_expert_num, quant_mode)
-        route = _moe_cpu.exchange_route(OP, (pos, token, expert, counts, pair_rows), active * layout.topk,
-                                        layout.local_experts, group, agreed)
-        received = _moe_cpu.send_rows(OP, route, q, q_scale, layout.local_experts,
-                                      meanwhile=lambda: shared.append(shared_expert_output(kernels, layout, args)))
-        expert_token_nums = torch.bincount(received.local_expert, minlength=layout.local_experts)
-        by_expert = torch.sort(received.local_expert, stable=True).indices
-        y_grouped = _expert_ffn(kernels, layout, received.rows[by_expert], received.scale[by_expert],
-                                expert_token_nums.tolist(), *weights, x.dtype)
-        y = torch.empty_like(y_grouped)
-        y[by_expert] = y_grouped
-        output = kernels.combine(_moe_cpu.return_rows(OP, route, y), pair_rows, expert_scales, active)
+    if group is None:
+        return [output, shared_expert_output(kernels, layout, args), expert_token_nums]
+    return _across_ranks(kernels, layout, args, group, active, routed)
 
+
+def _across_ranks(kernels, layout: Layout, args: dict, group, active: int, routed) -> List[torch.Tensor]:
+    """_cpu on the ranks of `group`, from route_and_quantize's result `routed` for the first `active`
+    tokens of `args` (the schema's arguments by name): the quantised rows go to the ranks owning
+    their experts and come back through their FFN to be combined; the shared expert runs while
+    the routed rows are in flight."""
+    pos, token, expert, counts, pair_rows, q, q_scale = routed
+    x = args["x"]
+    weights = [args[name] for name in ("gmm1_weight", "gmm1_weight_scale", "gmm1_bias", "gmm2_weight",
+                                       "gmm2_weight_scale", "gmm2_bias")]
+    shared = []  # the shared expert's output
+    agreed = agreed_values(layout, x, weights[0][0].dtype, args["moe_expert_num"], args["quant_mode"])
+    route = _moe_cpu.exchange_route(OP, (pos, token, expert, counts, pair_rows), active * layout.topk,
+                                    layout.local_experts, group, agreed)
+    received = _moe_cpu.send_rows(OP, route, q, q_scale, layout.local_experts,
+                                  meanwhile=lambda: shared.append(shared_expert_output(kernels, layout, args)))
+    expert_token_nums = torch.bincount(received.local_expert, minlength=layout.local_experts)
+    by_expert = torch.sort(received.local_expert, stable=True).indices
+    y_grouped = _expert_ffn(kernels, layout, received.rows[by_expert], received.scale[by_expert],
+                            expert_token_nums.tolist(), *weights, x.dtype)
+    y = torch.empty_like(y_grouped)
+    y[by_expert] = y_grouped
+    output = kernels.combine(_moe_cpu.return_rows(OP, route, y), pair_rows, args["expert_scales"], active)
     share_output = shared[0] if shared else shared_expert_output(kernels, layout, args)
     return [output, share_output, expert_token_nums]
 
