@@ -494,20 +494,21 @@ def _interception_probes() -> Optional[tuple]:
 _PROBES = _interception_probes()
 
 
-def _runs_directly(x: torch.Tensor, tensors: Sequence[Optional[torch.Tensor]],
+def _runs_directly(required: Sequence[torch.Tensor], optional: Sequence[Optional[torch.Tensor]],
                    containers: Sequence[List[torch.Tensor]]) -> bool:
-    """Whether a call whose tensors are all of _PLAIN_TENSORS may run the CPU implementation `_cpu`
+    """Whether a call whose tensors (`required`, x first, and `optional` as _plain_containers takes
+    them, and the `containers` it returns) are all of _PLAIN_TENSORS may run the CPU implementation `_cpu`
     in place of its dispatcher hop (`torch.ops.cam_jit.fused_deep_moe`, which would call `_cpu`
     with the same arguments): CPU tensors, no autograd to record, and nothing that must see the op
     (a jit trace, dispatch or function modes, functorch transforms, the profiler; the caller has
     excluded torch.compile and export)."""
-    if _PROBES is None or not x.is_cpu:
+    if _PROBES is None or not required[0].is_cpu:
         return False
     dispatch_modes, function_modes, functorch_stack, jit_trace, profiler, any_requires_grad = _PROBES
     if (dispatch_modes() or function_modes() or functorch_stack() is not None or jit_trace() is not None
             or profiler()):
         return False
-    return not (torch.is_grad_enabled() and any_requires_grad(*tensors, *containers))
+    return not (torch.is_grad_enabled() and any_requires_grad(*required, *optional, *containers))
 
 
 def fused_deep_moe(
@@ -610,6 +611,6 @@ def fused_deep_moe(
         from cam_jit.ops.fused_deep_moe_strict import check_strict
 
         check_strict(dict(zip(_ARGUMENTS, values)))
-    if plain and _runs_directly(x, (*required, *optional), containers):
+    if plain and _runs_directly(required, optional, containers):
         return tuple(_cpu(*values))
     return tuple(torch.ops.cam_jit.fused_deep_moe(*values))
