@@ -17,6 +17,7 @@
 #include <ATen/ops/index_select.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <type_traits>
 #include <vector>
@@ -332,11 +333,44 @@ GroupProduct group_product(const PackedExpert& pe, const PackedRows& rows, const
           W4A8Dequant{acc, lo, sp, bp, cols, kVnniGroupColumns}};
 }
 
+// Items [front, back) of a run of for_each_group still to take, in one word: its owner takes them
+// from the front, a thread that has run out of its own from the back.
+class ItemRun {
+ public:
+  void reset(int64_t front, int64_t back) { left_.store(pack(front, back)); }
+  // Takes the next item from the front (or the back) into `item`; false once the run is empty.
+  bool take(bool from_front, int64_t& item) {
+    uint64_t cur = left_.load();
+    while (true) {
+      const int64_t front = static_cast<int64_t>(cur >> 32), back = static_cast<int64_t>(cur & 0xffffffffu);
+      if (front >= back) return false;
+      if (left_.compare_exchange_weak(cur, from_front ? pack(front + 1, back) : pack(front, back - 1))) {
+        item = from_front ? front : back - 1;
+        return true;
+      }
+    }
+  }
+  // The item the front would give next, or -1 if none is left.
+  int64_t peek_front() const {
+    const uint64_t cur = left_.load();
+    const int64_t front = static_cast<int64_t>(cur >> 32);
+    return front < static_cast<int64_t>(cur & 0xffffffffu) ? front : -1;
+  }
+
+ private:
+  static uint64_t pack(int64_t front, int64_t back) {
+    return static_cast<uint64_t>(front) << 32 | static_cast<uint64_t>(back);
+  }
+  std::atomic<uint64_t> left_{0};
+};
+
 // Runs fn(expert, group, next, scratch) for every 64-column group of matrix `which` of every expert
-// in one parallel region: each thread takes a contiguous run of (expert, group) items of about equal
-// cost (weight bytes streamed, once per 6 rows with VNNI, once per 32 with AMX). next: the group the
-// thread runs after this one (for group_product); scratch: a per-thread int32 buffer of
-// 2 x scratch_rows(rows) x 64.
+// in one parallel region. Each thread owns a contiguous run of (expert, group) items of about equal
+// cost (weight bytes streamed, once per 6 rows with VNNI, once per 32 with AMX) and runs it in
+// order; a thread done with its own run takes the last items left in the others', so that a thread
+// the machine slows (or a cost the estimate misses) does not hold up the region. Every item is
+// computed alike on whichever thread runs it. next: the group the thread expects to run after this
+// one (for group_product's prefetch); scratch: a per-thread int32 buffer of 2 x scratch_rows(rows) x 64.
 template <typename Fn>
 void for_each_group(const std::vector<PackedExpert>& experts, std::shared_ptr<const PackedMatrix> PackedExpert::*which,
                     const Fn& fn) {
@@ -355,19 +389,30 @@ void for_each_group(const std::vector<PackedExpert>& experts, std::shared_ptr<co
     }
     max_rows = std::max(max_rows, scratch_rows(ve.rows));
   }
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n_items);
+  std::vector<ItemRun> runs(threads);
+  for (int64_t t = 0, lo = 0; t < threads; ++t) {
+    // items whose cost ends in (total * t / threads, total * (t + 1) / threads]
+    const int64_t hi = t + 1 == threads ? n_items
+                                        : std::upper_bound(until.begin(), until.end(), total * (t + 1) / threads) -
+                                              until.begin();
+    runs[t].reset(lo, hi);
+    lo = hi;
+  }
+  const auto item_next = [&](int64_t i) {
+    return i >= 0 && i < n_items ? VnniNext{(experts[items[i].first].*which).get(), items[i].second} : VnniNext{};
+  };
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     std::vector<int32_t> scratch(2 * max_rows * kVnniGroupColumns);
     for (int64_t t = t0; t < t1; ++t) {
-      // items whose cost ends in (total * t / threads, total * (t + 1) / threads]
-      const auto lo = std::upper_bound(until.begin(), until.end(), total * t / threads) - until.begin();
-      const auto hi = t + 1 == threads ? static_cast<int64_t>(items.size())
-                                       : std::upper_bound(until.begin(), until.end(), total * (t + 1) / threads) -
-                                             until.begin();
-      for (int64_t i = lo; i < hi; ++i) {
-        const VnniNext next = i + 1 < hi ? VnniNext{(experts[items[i + 1].first].*which).get(), items[i + 1].second}
-                                         : VnniNext{};
-        fn(experts[items[i].first], items[i].second, next, scratch.data());
+      int64_t i = 0;
+      while (runs[t].take(true, i)) {
+        fn(experts[items[i].first], items[i].second, item_next(runs[t].peek_front()), scratch.data());
+      }
+      for (int64_t other = 1; other < threads; ++other) {
+        ItemRun& run = runs[(t + other) % threads];
+        while (run.take(false, i)) fn(experts[items[i].first], items[i].second, item_next(i - 1), scratch.data());
       }
     }
   });
