@@ -8,7 +8,6 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 
 #include <algorithm>
 #include <cstring>
@@ -181,7 +180,8 @@ at::Tensor combine(const at::Tensor& y, const at::Tensor& pair_rows, const at::T
   const at::Tensor yc = y.contiguous();
   const at::Tensor pr = pair_rows.to(at::kLong).contiguous();
   const at::Tensor wc = weights.contiguous();
-  at::Tensor out = at::zeros({batch, hidden}, yc.options());
+  at::Tensor out = at::empty({batch, hidden}, yc.options());
+  if (active_count < batch) out.narrow(0, active_count, batch - active_count).zero_();  // inactive rows
   const int64_t* pr_ptr = pr.data_ptr<int64_t>();
   const float* w_ptr = wc.data_ptr<float>();
 
