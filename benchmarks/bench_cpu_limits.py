@@ -303,11 +303,12 @@ with torch.inference_mode():
             p1, s1, p2, s2 = packed[i]
             fused_experts_cpu(out, x, p1, p2, scales, ids, CPUQuantMethod.INT8_W8A8, s1, s2, None, None, None,
                               None, None, None, None, True)
-        for i in range(len(packed)):
-            call(i)
         times = []
-        for rep in range(reps * len(packed)):
-            start = time.perf_counter(); call(rep % len(packed)); times.append(time.perf_counter() - start)
+        for block in range(2):  # as bench_cpu_limits.interleaved times cam_jit's op
+            for i in range(len(packed)):
+                call(i)
+            for rep in range(reps * len(packed)):
+                start = time.perf_counter(); call(rep % len(packed)); times.append(time.perf_counter() - start)
         result[bs] = statistics.median(times)
 print("RESULT " + json.dumps(result))
 '''
