@@ -284,11 +284,14 @@ def buffer_vs_gloo(threads):
 # ---------------------------------------------------------------------------------- vLLM peer
 
 PEER = r'''
-import json, statistics, sys, time
+import json, sys
+sys.path.insert(0, sys.argv[4])
 import torch
 torch.set_num_threads(int(sys.argv[2]))
+import bench_cpu_limits as b
 data = torch.load(sys.argv[1])
 layers, reps = data["layers"], int(sys.argv[3])
+b.LAYERS = len(layers)
 from vllm.platforms import current_platform
 current_platform.import_kernels()
 from vllm._custom_ops import fused_experts_cpu, CPUQuantMethod
@@ -303,13 +306,7 @@ with torch.inference_mode():
             p1, s1, p2, s2 = packed[i]
             fused_experts_cpu(out, x, p1, p2, scales, ids, CPUQuantMethod.INT8_W8A8, s1, s2, None, None, None,
                               None, None, None, None, True)
-        times = []
-        for block in range(2):  # as bench_cpu_limits.interleaved times cam_jit's op
-            for i in range(len(packed)):
-                call(i)
-            for rep in range(reps * len(packed)):
-                start = time.perf_counter(); call(rep % len(packed)); times.append(time.perf_counter() - start)
-        result[bs] = statistics.median(times)
+        result[bs] = b.interleaved({"peer": call}, reps)["peer"]  # cam_jit's op is timed alike
 print("RESULT " + json.dumps(result))
 '''
 

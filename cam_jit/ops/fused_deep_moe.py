@@ -334,13 +334,14 @@ def _fake(x, expert_ids, gmm1_weight, gmm1_weight_scale, gmm2_weight, gmm2_weigh
     ]
 
 
-def _expert_ffn(kernels, layout: Layout, rows, scale, group_sizes, w1, s1, b1, w2, s2, b2, dtype):
+def _expert_ffn(kernels, layout: Layout, rows, scale, group_sizes, w1, s1, b1, w2, s2, b2, dtype, order=None):
     """docs/semantics.md §1.8 steps 2-4 (W4A8: §1.9) on int8 rows [M, H] grouped by local expert
-    (group_sizes[e] rows for expert e) with per-row scales [M]; weight containers as in §1.3
+    (group_sizes[e] rows for expert e) with per-row scales [M], or, with `order` (int64 [M]), on
+    the rows rows[order] with scales scale[order], read in place; weight containers as in §1.3
     (b1, b2: the W4A8 bias containers, ignored under W8A8). Returns [M, H] of dtype."""
     if layout.w4a8:
-        return kernels.expert_ffn_w4a8(rows, scale, group_sizes, w1, s1, b1, w2, s2, b2, dtype)
-    return kernels.expert_ffn_w8a8(rows, scale, group_sizes, w1, s1, w2, s2, dtype)
+        return kernels.expert_ffn_w4a8(rows, scale, group_sizes, w1, s1, b1, w2, s2, b2, dtype, order)
+    return kernels.expert_ffn_w8a8(rows, scale, group_sizes, w1, s1, w2, s2, dtype, order)
 
 
 AGREED = ("x.shape[1]", "x.dtype", "expert_ids.shape[1]", "moe_expert_num", "gmm1_weight.dtype", "gmm2_weight (I)",
@@ -411,8 +412,8 @@ def _across_ranks(kernels, layout: Layout, args: dict, group, active: int, route
                                   meanwhile=lambda: shared.append(shared_expert_output(kernels, layout, args)))
     expert_token_nums = torch.bincount(received.local_expert, minlength=layout.local_experts)
     by_expert = torch.sort(received.local_expert, stable=True).indices
-    y_grouped = _expert_ffn(kernels, layout, received.rows[by_expert], received.scale[by_expert],
-                            expert_token_nums.tolist(), *weights, x.dtype)
+    y_grouped = _expert_ffn(kernels, layout, received.rows, received.scale, expert_token_nums.tolist(), *weights,
+                            x.dtype, by_expert)
     y = torch.empty_like(y_grouped)
     y[by_expert] = y_grouped
     output = kernels.combine(_moe_cpu.return_rows(OP, route, y), pair_rows, args["expert_scales"], active)
@@ -497,8 +498,8 @@ _PROBES = _interception_probes()
 def _runs_directly(required: Sequence[torch.Tensor], optional: Sequence[Optional[torch.Tensor]],
                    containers: Sequence[List[torch.Tensor]]) -> bool:
     """Whether a call whose tensors (`required`, x first, and `optional` as _plain_containers takes
-    them, and the `containers` it returns) are all of _PLAIN_TENSORS may run the CPU implementation `_cpu`
-    in place of its dispatcher hop (`torch.ops.cam_jit.fused_deep_moe`, which would call `_cpu`
+    them, and the `containers` it returns) are all of _PLAIN_TENSORS may run the CPU implementation
+    `_cpu` in place of its dispatcher hop (`torch.ops.cam_jit.fused_deep_moe`, which would call `_cpu`
     with the same arguments): CPU tensors, no autograd to record, and nothing that must see the op
     (a jit trace, dispatch or function modes, functorch transforms, the profiler; the caller has
     excluded torch.compile and export)."""

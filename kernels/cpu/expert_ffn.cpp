@@ -544,16 +544,20 @@ at::Tensor expert_ffn(const char* name, const at::Tensor& q, const at::Tensor& q
   }
   TORCH_CHECK(grouped == total_rows, "_cam_jit_cpu::", name, ": group sizes sum to ", grouped, " but there are ",
               total_rows, " rows");
-  // The rows' scales in expert order (the index checked on the way).
-  std::vector<float> scale(total_rows);
-  const float* a = ac.data_ptr<float>();
+  // The rows' scales in expert order: q_scale itself, or gathered through the index (checked).
+  const float* scale = ac.data_ptr<float>();
   const int64_t* idx = index.defined() ? index.data_ptr<int64_t>() : nullptr;
-  for (int64_t i = 0; i < total_rows; ++i) {
-    TORCH_CHECK(idx == nullptr || (idx[i] >= 0 && idx[i] < q.size(0)), "_cam_jit_cpu::", name, ": rows[", i,
-                "] = ", idx == nullptr ? 0 : idx[i], " outside [0, ", q.size(0), ")");
-    scale[i] = a[idx != nullptr ? idx[i] : i];
+  std::vector<float> gathered;
+  if (idx != nullptr) {
+    gathered.resize(total_rows);
+    for (int64_t i = 0; i < total_rows; ++i) {
+      TORCH_CHECK(idx[i] >= 0 && idx[i] < q.size(0), "_cam_jit_cpu::", name, ": rows[", i, "] = ", idx[i],
+                  " outside [0, ", q.size(0), ")");
+      gathered[i] = scale[idx[i]];
+    }
+    scale = gathered.data();
   }
-  const GroupedRows grouped_rows{qc.data_ptr<int8_t>(), idx, scale.data(), hidden, total_rows};
+  const GroupedRows grouped_rows{qc.data_ptr<int8_t>(), idx, scale, hidden, total_rows};
   at::Tensor y = at::empty({total_rows, hidden}, qc.options().dtype(out_dtype));
   std::vector<PackedExpert> packed_experts;
   int64_t start = 0;
@@ -577,7 +581,7 @@ at::Tensor expert_ffn(const char* name, const at::Tensor& q, const at::Tensor& q
       const at::Tensor qe =
           idx != nullptr ? qc.index_select(0, index.narrow(0, start, rows)) : qc.narrow(0, start, rows);
       AT_DISPATCH_REDUCED_FLOATING_TYPES(out_dtype, "expert_ffn", [&] {
-        expert_alone<scalar_t>(qe, scale.data() + start, ex, inter, y.data_ptr<scalar_t>() + start * hidden);
+        expert_alone<scalar_t>(qe, scale + start, ex, inter, y.data_ptr<scalar_t>() + start * hidden);
       });
     }
     start += rows;

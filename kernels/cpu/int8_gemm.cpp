@@ -314,24 +314,40 @@ CAM_JIT_AVX512 inline __m512i dpbusd(__m512i acc, __m512i u8, __m512i s8) {
 // M <= 6 they are bound by memory latency, and the hardware prefetcher alone keeps too few lines in
 // flight over 4 concurrent panels.
 constexpr int64_t kPrefetchBytes = 2048;
-// The prefetch runs kPrefetchBytes ahead in each panel and, past the panel's end, on into the
-// panels this thread multiplies next (`next`, panels `next_panel_bytes` apart), so that a group's
-// first lines are in flight when it starts.
+
+// Bytes of one packed 16-column panel of w (int4: two weights a byte).
+int64_t vnni_panel_bytes(const PackedMatrix& w) { return w.kp * kBlockN / (w.int4 ? 2 : 1); }
+
+// The panels a VNNI kernel streams (`panel`, `panel_bytes` apart) and those the thread multiplies
+// after them (`next`, `next_bytes` apart). The prefetch runs kPrefetchBytes ahead in each panel and,
+// past the panel's end, on into the next panels: at decode sizes a panel is 8-32 KiB, and fetching
+// the first 2 KiB of every panel on demand costs a quarter of the time.
+struct PanelPrefetch {
+  const uint8_t* panel;
+  int64_t panel_bytes;
+  const uint8_t* next;
+  int64_t next_bytes;
+  // Prefetches the line kPrefetchBytes past byte `at` of each of the first nr panels.
+  CAM_JIT_AVX512 void ahead(int64_t at, int nr) const {
+    const int64_t wrap = panel_bytes - kPrefetchBytes;
+    const uint8_t* line = at < wrap ? panel + at + kPrefetchBytes : next + (at - wrap);
+    const int64_t stride = at < wrap ? panel_bytes : next_bytes;
+    for (int j = 0; j < nr; ++j) _mm_prefetch(reinterpret_cast<const char*>(line + j * stride), _MM_HINT_T0);
+  }
+};
+
 template <int MR, int NR>
-CAM_JIT_AVX512 void vnni_i8_block(const uint8_t* a, int64_t lda, const uint8_t* panel, int64_t panel_bytes,
-                                  int64_t k4s, const int32_t* comp, int32_t* out, int64_t ldo, int64_t ncols,
-                                  const uint8_t* next, int64_t next_panel_bytes) {
+CAM_JIT_AVX512 void vnni_i8_block(const uint8_t* a, int64_t lda, PanelPrefetch panels, int64_t k4s,
+                                  const int32_t* comp, int32_t* out, int64_t ldo, int64_t ncols) {
+  const uint8_t* panel = panels.panel;
+  const int64_t panel_bytes = panels.panel_bytes;
   __m512i acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_si512();
-  const int64_t wrap = panel_bytes - kPrefetchBytes;
   for (int64_t k4 = 0; k4 < k4s; ++k4) {
-    const bool own = k4 * 64 < wrap;
-    const uint8_t* ahead = own ? panel + k4 * 64 + kPrefetchBytes : next + (k4 * 64 - wrap);
-    const int64_t ahead_stride = own ? panel_bytes : next_panel_bytes;
+    panels.ahead(k4 * 64, NR);
     __m512i w[NR];
     for (int j = 0; j < NR; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + j * ahead_stride), _MM_HINT_T0);
       w[j] = _mm512_load_si512(panel + j * panel_bytes + k4 * 64);
     }
     for (int i = 0; i < MR; ++i) {
@@ -354,29 +370,23 @@ CAM_JIT_AVX512 void vnni_i8_block(const uint8_t* a, int64_t lda, const uint8_t* 
 // int4 weights: each 64-byte panel row holds k-groups 2p (low nibbles) and 2p + 1 (high nibbles) of
 // 16 columns. A single row (MR == 1, the decode case) keeps two accumulators per output, one per
 // k-group, so that the two vpdpbusd of a k step do not wait on each other; more rows have no
-// registers for that. The prefetch runs kPrefetchBytes ahead in each panel and, past the panel's
-// end, on into the panels this thread multiplies next (`next`, panels `next_panel_bytes` apart): at
-// decode sizes a panel is 8-16 KiB, and fetching the first 2 KiB of every panel on demand costs a
-// quarter of the time.
+// registers for that.
 template <int MR, int NR>
-CAM_JIT_AVX512 void vnni_i4_block(const int8_t* hi, const int8_t* lo, int64_t lda, const uint8_t* panel,
-                                  int64_t panel_bytes, int64_t k8s, const int32_t* hi_sum8, const int32_t* lo_sum8,
-                                  int32_t* out_hi, int32_t* out_lo, int64_t ldo, int64_t ncols, const uint8_t* next,
-                                  int64_t next_panel_bytes) {
+CAM_JIT_AVX512 void vnni_i4_block(const int8_t* hi, const int8_t* lo, int64_t lda, PanelPrefetch panels, int64_t k8s,
+                                  const int32_t* hi_sum8, const int32_t* lo_sum8, int32_t* out_hi, int32_t* out_lo,
+                                  int64_t ldo, int64_t ncols) {
+  const uint8_t* panel = panels.panel;
+  const int64_t panel_bytes = panels.panel_bytes;
   constexpr int S = MR == 1 ? 2 : 1;  // accumulators per output
   __m512i acc_hi[S][MR][NR], acc_lo[S][MR][NR];
   for (int s = 0; s < S; ++s)
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NR; ++j) acc_hi[s][i][j] = acc_lo[s][i][j] = _mm512_setzero_si512();
   const __m512i low4 = _mm512_set1_epi8(15);
-  const int64_t wrap = panel_bytes - kPrefetchBytes;  // from this offset on, prefetch into `next`
   for (int64_t k8 = 0; k8 < k8s; ++k8) {
-    const bool own = k8 * 64 < wrap;
-    const uint8_t* ahead = own ? panel + k8 * 64 + kPrefetchBytes : next + (k8 * 64 - wrap);
-    const int64_t ahead_stride = own ? panel_bytes : next_panel_bytes;
+    panels.ahead(k8 * 64, NR);
     __m512i w0[NR], w1[NR];
     for (int j = 0; j < NR; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + j * ahead_stride), _MM_HINT_T0);
       const __m512i v = _mm512_load_si512(panel + j * panel_bytes + k8 * 64);
       w0[j] = _mm512_and_si512(v, low4);
       w1[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
@@ -640,8 +650,6 @@ void set_row(const PackedRows& rows, int64_t r, const int8_t* q) {
 #endif
 }
 
-
-
 int64_t vnni_groups(const PackedMatrix& w) { return (w.np / kBlockN + kVnniNr - 1) / kVnniNr; }
 
 void vnni_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_t* acc, int32_t* lo_acc,
@@ -651,46 +659,35 @@ void vnni_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_
   const int64_t b = g * kVnniNr;
   const int nr = static_cast<int>(std::min<int64_t>(kVnniNr, w.np / kBlockN - b));
   const int64_t ncols = std::min<int64_t>(nr * kBlockN, w.n - b * kBlockN);
+  const int64_t panel_bytes = vnni_panel_bytes(w);
+  const uint8_t* panel = w.panel.data_ptr<uint8_t>() + b * panel_bytes;
+  // After each row block but the last comes this group again (its panels back from L2 into L1),
+  // after the last the thread's next group when it is of the same kind.
+  const PanelPrefetch again{panel, panel_bytes, panel, panel_bytes};
+  PanelPrefetch last = again;
+  if (next.w != nullptr && next.w->int4 == w.int4) {
+    last.next_bytes = vnni_panel_bytes(*next.w);
+    last.next = next.w->panel.data_ptr<uint8_t>() + next.g * kVnniNr * last.next_bytes;
+  }
   if (!w.int4) {
-    const int64_t panel_bytes = w.kp * kBlockN;
     const uint8_t* a = reinterpret_cast<const uint8_t*>(rows.a.data_ptr<int8_t>());
-    const uint8_t* panel = w.panel.data_ptr<uint8_t>() + b * panel_bytes;
     const int32_t* comp = w.comp.data_ptr<int32_t>() + b * kBlockN;
-    const uint8_t* next_panel = panel;  // after each row block but the last: this group again
-    int64_t next_panel_bytes = panel_bytes;
-    if (next.w != nullptr && !next.w->int4) {
-      next_panel_bytes = next.w->kp * kBlockN;
-      next_panel = next.w->panel.data_ptr<uint8_t>() + next.g * kVnniNr * next_panel_bytes;
-    }
     for (int64_t r = 0; r < m; r += kVnniMrI8) {
       const int mr = static_cast<int>(std::min<int64_t>(kVnniMrI8, m - r));
-      const bool last = r + mr == m;
-      dispatch_block<kVnniMrI8, kVnniNr, VnniI8>(mr, nr, a + r * w.kp, w.kp, panel, panel_bytes, w.kp / 4, comp,
-                                                 acc + r * ld, ld, ncols, last ? next_panel : panel,
-                                                 last ? next_panel_bytes : panel_bytes);
+      dispatch_block<kVnniMrI8, kVnniNr, VnniI8>(mr, nr, a + r * w.kp, w.kp, r + mr == m ? last : again, w.kp / 4,
+                                                 comp, acc + r * ld, ld, ncols);
     }
     return;
   }
-  const int64_t panel_bytes = w.kp * kBlockN / 2;
   const int8_t* hi = rows.a.data_ptr<int8_t>();
   const int8_t* lo = rows.b.data_ptr<int8_t>();
   const int32_t* hi_sum8 = rows.sum8.data_ptr<int32_t>();
   const int32_t* lo_sum8 = hi_sum8 + m;
-  const uint8_t* panel = w.panel.data_ptr<uint8_t>() + b * panel_bytes;
-  // After each row block but the last comes this group again (its panels back from L2 into L1).
-  const uint8_t* next_panel = panel;
-  int64_t next_panel_bytes = panel_bytes;
-  if (next.w != nullptr && next.w->int4) {
-    next_panel_bytes = next.w->kp * kBlockN / 2;
-    next_panel = next.w->panel.data_ptr<uint8_t>() + next.g * kVnniNr * next_panel_bytes;
-  }
   for (int64_t r = 0; r < m; r += kVnniMrI4) {
     const int mr = static_cast<int>(std::min<int64_t>(kVnniMrI4, m - r));
-    const bool last = r + mr == m;
-    dispatch_block<kVnniMrI4, kVnniNr, VnniI4>(mr, nr, hi + r * w.kp, lo + r * w.kp, w.kp, panel, panel_bytes,
+    dispatch_block<kVnniMrI4, kVnniNr, VnniI4>(mr, nr, hi + r * w.kp, lo + r * w.kp, w.kp, r + mr == m ? last : again,
                                                w.kp / 8, hi_sum8 + r, lo_sum8 + r, acc + r * ld, lo_acc + r * ld, ld,
-                                               ncols, last ? next_panel : panel,
-                                               last ? next_panel_bytes : panel_bytes);
+                                               ncols);
   }
 #else
   TORCH_CHECK(false, "cam_jit vnni_group: no VNNI kernel on this architecture");

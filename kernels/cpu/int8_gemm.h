@@ -65,8 +65,8 @@ void set_row(const PackedRows& rows, int64_t r, const int8_t* q);
 // caller schedules (several products in one parallel region, epilogues fused per group).
 constexpr int64_t kVnniGroupColumns = 64;
 int64_t vnni_groups(const PackedMatrix& w);
-// A column group the calling thread multiplies after the current one (none: w == nullptr). The int4
-// kernel starts fetching its weights while it finishes the current group.
+// A column group the calling thread multiplies after the current one (none: w == nullptr). The VNNI
+// kernels start fetching its weights while they finish the current group.
 struct VnniNext {
   const PackedMatrix* w = nullptr;
   int64_t g = 0;
