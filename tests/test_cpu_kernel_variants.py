@@ -181,10 +181,14 @@ def test_expert_kernels_auto_and_forced_variants_agree(variant, dtype):
 def test_prepack_cache_follows_in_place_updates_and_can_be_cleared():
     kw = make_rank_case(6, 0, ranks=1, variant="w8a8", bs=8, hidden=64, inter=32, experts=2, topk=2)
     w1 = kw["gmm1_weight"][0]
-    assert cam_jit.prepare_expert_weights(kw["gmm1_weight"], kw["gmm2_weight"]) >= w1.numel()
-    assert cam_jit.prepared_weights_bytes() >= w1.numel()
+    assert w1.dim() == 3  # stacked: the op reads each expert's slice without a view
+    cam_jit.clear_prepared_weights()
+    prepared = cam_jit.prepare_expert_weights(kw["gmm1_weight"], kw["gmm2_weight"])
+    assert prepared >= w1.numel()
+    assert cam_jit.prepared_weights_bytes() == prepared
     with forced(PACKED[0]):
         before = run_op(kw)[0]
+        assert cam_jit.prepared_weights_bytes() == prepared  # the op found the entries prepared from views
         w1[1].neg_()  # in place through a view: the version counter moves, the packed copy is rebuilt
         after = run_op(kw)[0]
     with forced("int_mm"):
@@ -204,6 +208,20 @@ def test_inference_tensor_weights_are_packed_per_call():
         with forced("int_mm"):
             expected = run_op(kw)
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, expected))
+
+
+def test_direct_exp_is_atens_exp_bit_for_bit():
+    """The AVX512 variant's exp (MKL's vmsExp without the dispatcher) gives torch.exp's bits for
+    2^24 float32 bit patterns spread over all signs, exponents and NaNs, and at short lengths."""
+    kernels = cpu_kernels()
+    if not kernels.exp_direct_available():
+        assert platform.machine() != "x86_64" or not torch.backends.mkl.is_available()
+        pytest.skip("ATen's exp is not MKL's vmsExp on this build")
+    x = ((torch.arange(1 << 24, dtype=torch.int64) * 257 + 12345) % (1 << 32)).to(torch.int32).view(torch.float32)
+    for values in (x, *(x[5_000_000 + start:5_000_000 + start + n] for n in range(1, 40) for start in (0, 1))):
+        got, want = kernels.exp_direct(values), torch.exp(values)
+        same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
+        assert bool(same.all()), values.numel()
 
 
 def test_prepare_without_packed_kernel_returns_zero():

@@ -33,11 +33,12 @@ CASES = {
                                "torch.tensor([[0, 1], [1, 0]], dtype=torch.int32), 2, 4, None)",
     # ids naming an expert the weight containers do not hold, and no weights at all
     "moe_one_rank-experts": "cpu.moe_one_rank(torch.zeros(1, 8, dtype=torch.bfloat16), torch.tensor([[3]], dtype=torch.int32), "
-                            "1, 4, None, torch.ones(1, 1), [w1, w1], [s1, s1], [], [w2, w2], [s2, s2], [])",
+                            "1, 4, None, torch.ones(1, 1), [w1, w1], [s1, s1], [], [w2, w2], [s2, s2], [], True)",
     "moe_one_rank-empty": "cpu.moe_one_rank(torch.zeros(1, 8, dtype=torch.bfloat16), torch.tensor([[0]], dtype=torch.int32), "
-                          "1, 1, None, torch.ones(1, 1), [], [], [], [], [], [])",
+                          "1, 1, None, torch.ones(1, 1), [], [], [], [], [], [], True)",
     "route_and_quantize-smooth": "cpu.route_and_quantize(torch.zeros(1, 8, dtype=torch.bfloat16), "
                                  "torch.tensor([[3]], dtype=torch.int32), 1, 4, torch.ones(2, 8))",
+    "exp_direct-dtype": "cpu.exp_direct(torch.zeros(4, dtype=torch.float64))",
     "zb-region": "zb.region(4096, [16], torch.int64)",
     "zb-put_rows": "zb.put_rows([4096], q, a, torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64), [4], 1, 32, 1)",
     "zb-take_rows": "zb.take_rows(4096, [1], 4, 32, 8, 1, 1)",

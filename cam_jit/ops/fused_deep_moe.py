@@ -382,16 +382,18 @@ def _cpu(x, expert_ids, gmm1_weight, gmm1_weight_scale, gmm2_weight, gmm2_weight
         active = layout.batch if x_active_mask is None else int(x_active_mask.sum())
         kernels = cpu_kernels()  # after validation: bad arguments fail without a kernel build
         if group is None:  # one rank: routing, quantisation, the expert FFN and combine in one C++ call
-            output, expert_token_nums = _routing_call(
+            output, share_zeros, expert_token_nums = _routing_call(
                 kernels.moe_one_rank, x, expert_ids, active, moe_expert_num, expert_smooth_scales, expert_scales,
-                gmm1_weight, gmm1_weight_scale, gmm1_bias, gmm2_weight, gmm2_weight_scale, gmm2_bias)
+                gmm1_weight, gmm1_weight_scale, gmm1_bias, gmm2_weight, gmm2_weight_scale, gmm2_bias,
+                not layout.shared)
         else:
             routed = _routing_call(kernels.route_and_quantize, x, expert_ids, active, moe_expert_num,
                                    expert_smooth_scales)
     except (TypeError, ValueError) as err:
         _moe_cpu.refuse(OP, group, AGREED, err)
     if group is None:
-        return [output, shared_expert_output(kernels, layout, args), expert_token_nums]
+        share_output = shared_expert_output(kernels, layout, args) if layout.shared else share_zeros
+        return [output, share_output, expert_token_nums]
     return _across_ranks(kernels, layout, args, group, active, routed)
 
 

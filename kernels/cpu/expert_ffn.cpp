@@ -5,6 +5,8 @@
 // and multiplies the high and low nibbles of the activations, stacked into one GEMM, by them). The
 // epilogues are fused loops threaded with at::parallel_for.
 #include "elementwise.h"
+#include "exp_direct.h"
+#include "expert_ffn.h"
 #include "int8_gemm.h"
 #include "moe_common.h"
 
@@ -27,9 +29,29 @@ namespace {
 
 int64_t row_grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
 
-// Vector (scale or bias) of one expert, widened exactly to float32 and contiguous.
-at::Tensor float_item(at::TensorList container, int64_t e) {
-  return expert_item(container, e, 1).to(at::kFloat).contiguous();
+// A float32 vector (scale or bias) of one local expert: read in place when the container holds it
+// as float32 with unit stride, else widened exactly into `owner`.
+struct ExpertVector {
+  at::Tensor owner;
+  const float* data = nullptr;
+  int64_t numel = 0;
+};
+
+ExpertVector float_item(at::TensorList container, int64_t e) {
+  const ExpertSlot slot = expert_slot(container, e, 1);
+  const at::Tensor& of = slot.of;
+  check_cpu(of, "weight scale or bias");
+  if (of.scalar_type() == at::kFloat) {
+    if (slot.e >= 0 && (of.size(1) <= 1 || of.stride(1) == 1)) {
+      return {at::Tensor(), of.data_ptr<float>() + slot.e * of.stride(0), of.size(1)};
+    }
+    if (slot.e < 0 && of.is_contiguous()) return {at::Tensor(), of.data_ptr<float>(), of.numel()};
+  }
+  ExpertVector v;
+  v.owner = expert_item(container, e, 1).to(at::kFloat).contiguous();
+  v.data = v.owner.data_ptr<float>();
+  v.numel = v.owner.numel();
+  return v;
 }
 
 // W8A8 dequantisation before the per-token scale (§1.8 steps 2.2-2.3, 4.2): f32(acc) * s.
@@ -220,11 +242,27 @@ at::Tensor split_nibbles(const at::Tensor& q) {
   return out;
 }
 
+// A 2-D weight matrix of one local expert as stored: `of` itself (e < 0) or its slice e along a
+// stacked expert dimension, which the packed path reads without making the view.
+struct ExpertMatrix {
+  at::Tensor of;
+  int64_t e = -1;
+  int64_t size(int64_t d) const { return of.size(e < 0 ? d : d + 1); }
+  c10::IntArrayRef sizes() const { return e < 0 ? of.sizes() : of.sizes().slice(1); }
+  at::Tensor tensor() const { return e < 0 ? of : of.select(0, e); }
+  std::shared_ptr<const PackedMatrix> packed(bool int4) const {
+    return e < 0 ? packed_matrix(of, int4) : packed_matrix(of, e, int4);
+  }
+};
+
 // One local expert's weights: int8 (W8A8) or int32 words of packed int4 (W4A8) matrices as stored,
-// float32 vectors; the biases are undefined under W8A8.
+// float32 vectors; the biases are empty under W8A8.
 struct Expert {
-  at::Tensor w1, s1, b1, w2, s2, b2;
-  bool int4() const { return b1.defined(); }
+  ExpertMatrix w1;
+  ExpertVector s1, b1;
+  ExpertMatrix w2;
+  ExpertVector s2, b2;
+  bool int4;  // W4A8
 };
 
 // acc = q . w exactly with ATen's `_int_mm` (int4 weights: [2 rows, N], the hi then the lo nibbles
@@ -237,29 +275,29 @@ at::Tensor int_matmul(const at::Tensor& q, const at::Tensor& w, bool int4) {
 void gmm1_stage(const at::Tensor& q, const float* a, const Expert& ex, at::Tensor& d, at::Tensor& neg_gate) {
   const int64_t rows = q.size(0);
   const int64_t width = d.size(1);
-  const float* s = ex.s1.data_ptr<float>();
-  const at::Tensor acc = int_matmul(q, ex.w1, ex.int4());
-  if (!ex.int4()) {
+  const float* s = ex.s1.data;
+  const at::Tensor acc = int_matmul(q, ex.w1.tensor(), ex.int4);
+  if (!ex.int4) {
     dequant_gmm1(W8A8Dequant{acc.data_ptr<int32_t>(), s, width, width}, a, d, neg_gate);
     return;
   }
   const int32_t* hi = acc.data_ptr<int32_t>();
-  dequant_gmm1(W4A8Dequant{hi, hi + rows * width, s, ex.b1.data_ptr<float>(), width, width}, a, d, neg_gate);
+  dequant_gmm1(W4A8Dequant{hi, hi + rows * width, s, ex.b1.data, width, width}, a, d, neg_gate);
 }
 
 // Step 4 (§1.9 for W4A8): y = cast(dequant(q2 . W2) * b) into rows of `out`.
 template <typename scalar_t>
 void gmm2_stage(const at::Tensor& q2, const float* b, const Expert& ex, scalar_t* out) {
   const int64_t rows = q2.size(0);
-  const int64_t width = ex.s2.numel();
-  const float* s = ex.s2.data_ptr<float>();
-  const at::Tensor acc = int_matmul(q2, ex.w2, ex.int4());
-  if (!ex.int4()) {
+  const int64_t width = ex.s2.numel;
+  const float* s = ex.s2.data;
+  const at::Tensor acc = int_matmul(q2, ex.w2.tensor(), ex.int4);
+  if (!ex.int4) {
     dequant_gmm2(W8A8Dequant{acc.data_ptr<int32_t>(), s, width, width}, rows, b, out);
     return;
   }
   const int32_t* hi = acc.data_ptr<int32_t>();
-  dequant_gmm2(W4A8Dequant{hi, hi + rows * width, s, ex.b2.data_ptr<float>(), width, width}, rows, b, out);
+  dequant_gmm2(W4A8Dequant{hi, hi + rows * width, s, ex.b2.data, width, width}, rows, b, out);
 }
 
 // Steps 2-4 of one expert on its own, each stage threaded over rows or columns (the `_int_mm`
@@ -316,12 +354,12 @@ void dequant_group_row(const GroupProduct& p, int64_t r, float scale, float* out
 // bias: acc (and, for int4, the lo products after scratch_rows(rows) rows of it) of 64 ints per row.
 // next: the group this thread runs after it (vnni_group prefetches into it).
 GroupProduct group_product(const PackedExpert& pe, const PackedRows& rows, const PackedMatrix& w,
-                           const at::Tensor& s, const at::Tensor& bias, int64_t width, int64_t g, VnniNext next,
+                           const ExpertVector& s, const ExpertVector& bias, int64_t width, int64_t g, VnniNext next,
                            int32_t* acc) {
   const int64_t col = g * kVnniGroupColumns, cols = std::min<int64_t>(kVnniGroupColumns, width - col);
   int32_t* lo = acc + scratch_rows(pe.rows) * kVnniGroupColumns;
-  const float* sp = s.data_ptr<float>() + col;
-  const float* bp = pe.ex.int4() ? bias.data_ptr<float>() + col : nullptr;
+  const float* sp = s.data + col;
+  const float* bp = pe.ex.int4 ? bias.data + col : nullptr;
   prefetch_floats(sp, cols);
   if (bp != nullptr) prefetch_floats(bp, cols);
   if (pe.kernel == GemmKernel::kAmx) {
@@ -329,7 +367,7 @@ GroupProduct group_product(const PackedExpert& pe, const PackedRows& rows, const
   } else {
     vnni_group(rows, w, g, acc, lo, kVnniGroupColumns, next);
   }
-  return {col, cols, pe.ex.int4(), W8A8Dequant{acc, sp, cols, kVnniGroupColumns},
+  return {col, cols, pe.ex.int4, W8A8Dequant{acc, sp, cols, kVnniGroupColumns},
           W4A8Dequant{acc, lo, sp, bp, cols, kVnniGroupColumns}};
 }
 
@@ -442,8 +480,8 @@ void experts_packed(std::vector<PackedExpert>& experts, const GroupedRows& rows,
     ve.gate_at = gate_size;
     d_size += ve.rows * 2 * ve.inter;
     gate_size += ve.rows * ve.inter;
-    ve.w1 = packed_matrix(ve.ex.w1, ve.ex.int4());
-    ve.w2 = packed_matrix(ve.ex.w2, ve.ex.int4());
+    ve.w1 = ve.ex.w1.packed(ve.ex.int4);
+    ve.w2 = ve.ex.w2.packed(ve.ex.int4);
     ve.rows1 = packed_rows(*ve.w1, ve.rows, ve.kernel);
     ve.rows2 = packed_rows(*ve.w2, ve.rows, ve.kernel);  // set by region B
     for (int64_t r = 0; r < ve.rows; ++r) set_row(ve.rows1, r, rows.row(ve.start + r));
@@ -472,8 +510,9 @@ void experts_packed(std::vector<PackedExpert>& experts, const GroupedRows& rows,
 
   // ATen's exp computes each element alike wherever it sits in the tensor (vectorised, the tail
   // too), so one call over every expert's block gives what per-expert calls give. Region B runs
-  // over blocks of rows (an expert may be all the work); few values: exp and region B run on this
-  // thread (ATen does not fork inside an inline parallel_for).
+  // over blocks of rows (an expert may be all the work); few values: exp (without the dispatcher
+  // under the AVX512 variant, exp_direct) and region B run on this thread (ATen does not fork
+  // inside an inline parallel_for).
   constexpr int64_t kSwigluRows = 8;
   std::vector<std::pair<int64_t, int64_t>> row_blocks;  // (expert, first row)
   int64_t max_inter = 0;
@@ -483,9 +522,14 @@ void experts_packed(std::vector<PackedExpert>& experts, const GroupedRows& rows,
   }
   const int64_t n_blocks = static_cast<int64_t>(row_blocks.size());
   const bool inline_b = gate_size <= 32768;
+  const bool direct_exp = inline_b && vec && exp_direct_available();
   if (!inline_b) at::exp_(neg_gate);
   at::parallel_for(0, n_blocks, inline_b ? n_blocks : 1, [&](int64_t i0, int64_t i1) {
-    if (inline_b) at::exp_(neg_gate);
+    if (direct_exp) {
+      exp_direct(ng_ptr, gate_size);
+    } else if (inline_b) {
+      at::exp_(neg_gate);
+    }
     std::vector<float> h(max_inter);
     std::vector<int8_t> q2(max_inter);
     for (int64_t i = i0; i < i1; ++i) {
@@ -565,14 +609,14 @@ at::Tensor expert_ffn(const char* name, const at::Tensor& q, const at::Tensor& q
     const int64_t rows = group_sizes[e];
     if (rows == 0) continue;
     const Expert ex = load(e);
-    const int64_t pack = ex.int4() ? 8 : 1;  // logical columns per stored element
+    const int64_t pack = ex.int4 ? 8 : 1;  // logical columns per stored element
     TORCH_CHECK(ex.w1.size(0) == hidden && (ex.w1.size(1) * pack) % 2 == 0, "_cam_jit_cpu::", name,
                 ": expert ", e, " gmm1 weight must be [", hidden, ", 2I] (unpacked), got ", ex.w1.sizes());
     const int64_t inter = ex.w1.size(1) * pack / 2;
     TORCH_CHECK(ex.w2.size(0) == inter && ex.w2.size(1) * pack == hidden, "_cam_jit_cpu::", name,
                 ": expert ", e, " gmm2 weight must be [", inter, ", ", hidden, "] (unpacked), got ", ex.w2.sizes());
-    TORCH_CHECK(ex.s1.numel() == 2 * inter && ex.s2.numel() == hidden &&
-                    (!ex.b1.defined() || (ex.b1.numel() == 2 * inter && ex.b2.numel() == hidden)),
+    TORCH_CHECK(ex.s1.numel == 2 * inter && ex.s2.numel == hidden &&
+                    (!ex.int4 || (ex.b1.numel == 2 * inter && ex.b2.numel == hidden)),
                 "_cam_jit_cpu::", name, ": expert ", e, " scale or bias lengths");
     const GemmKernel kernel = gemm_kernel(rows);
     if (kernel != GemmKernel::kIntMm) {
@@ -607,30 +651,28 @@ at::Tensor expert_ffn(const char* name, const at::Tensor& q, const at::Tensor& q
 }
 
 // A weight matrix of expert e as stored: int8 (W8A8) or int32 words of packed int4 values.
-at::Tensor int_weight(const char* name, const char* arg, at::TensorList container, int64_t e, bool packed) {
-  const at::Tensor w = expert_item(container, e, 2);
+ExpertMatrix int_weight(const char* name, const char* arg, at::TensorList container, int64_t e, bool packed) {
+  const ExpertSlot slot = expert_slot(container, e, 2);
+  const ExpertMatrix w{slot.of, slot.e};
   const at::ScalarType want = packed ? at::kInt : at::kChar;
-  TORCH_CHECK(w.scalar_type() == want && w.dim() == 2, "_cam_jit_cpu::", name, ": expert ", e, " ", arg,
-              " must be a 2-D ", packed ? "int32" : "int8", " matrix, got ", w.scalar_type(), " ", w.sizes());
-  check_cpu(w, arg);
+  TORCH_CHECK(w.of.scalar_type() == want && w.sizes().size() == 2, "_cam_jit_cpu::", name, ": expert ", e, " ", arg,
+              " must be a 2-D ", packed ? "int32" : "int8", " matrix, got ", w.of.scalar_type(), " ", w.sizes());
+  check_cpu(w.of, arg);
   return w;
 }
 
-// q: [M, H] int8 rows grouped by local expert, or with rows (int64 [M]) the rows q[rows[i]]; q_scale:
-// float32, one per row of q; w1/s1/w2/s2: weight containers (§1.3) of [H, 2I] int8, [2I] float,
-// [I, H] int8, [H] float. Returns y: [M, H].
+}  // namespace
+
 at::Tensor expert_ffn_w8a8(const at::Tensor& q, const at::Tensor& q_scale, c10::IntArrayRef group_sizes,
                            at::TensorList w1, at::TensorList s1, at::TensorList w2, at::TensorList s2,
                            at::ScalarType out_dtype, const c10::optional<at::Tensor>& rows) {
   constexpr const char* name = "expert_ffn_w8a8";
   return expert_ffn(name, q, q_scale, group_sizes, out_dtype, rows, [&](int64_t e) {
-    return Expert{int_weight(name, "gmm1 weight", w1, e, false), float_item(s1, e), at::Tensor(),
-                  int_weight(name, "gmm2 weight", w2, e, false), float_item(s2, e), at::Tensor()};
+    return Expert{int_weight(name, "gmm1 weight", w1, e, false), float_item(s1, e), ExpertVector(),
+                  int_weight(name, "gmm2 weight", w2, e, false), float_item(s2, e), ExpertVector(), false};
   });
 }
 
-// As expert_ffn_w8a8 with W4A8 weights (§1.5, §1.9): w1 [H, 2I/8] and w2 [I, H/8] int32 words of
-// packed int4 values, b1 [2I] and b2 [H] float32 compensation biases (containers as the others).
 at::Tensor expert_ffn_w4a8(const at::Tensor& q, const at::Tensor& q_scale, c10::IntArrayRef group_sizes,
                            at::TensorList w1, at::TensorList s1, at::TensorList b1, at::TensorList w2,
                            at::TensorList s2, at::TensorList b2, at::ScalarType out_dtype,
@@ -638,11 +680,10 @@ at::Tensor expert_ffn_w4a8(const at::Tensor& q, const at::Tensor& q_scale, c10::
   constexpr const char* name = "expert_ffn_w4a8";
   return expert_ffn(name, q, q_scale, group_sizes, out_dtype, rows, [&](int64_t e) {
     return Expert{int_weight(name, "gmm1 weight", w1, e, true), float_item(s1, e), float_item(b1, e),
-                  int_weight(name, "gmm2 weight", w2, e, true), float_item(s2, e), float_item(b2, e)};
+                  int_weight(name, "gmm2 weight", w2, e, true), float_item(s2, e), float_item(b2, e), true};
   });
 }
 
-}  // namespace
 }  // namespace cam_jit_cpu
 
 TORCH_LIBRARY_FRAGMENT(_cam_jit_cpu, m) {

@@ -262,14 +262,12 @@ PrepackCache& cache() {
   return *c;
 }
 
-}  // namespace
-
-std::shared_ptr<const PackedMatrix> packed_matrix(const at::Tensor& w, bool int4) {
-  check_cpu(w, "weight");
-  if (w.is_inference()) return pack(w, int4);
-  const CacheKey key{w.storage().unsafeGetStorageImpl(), w.storage_offset(), w.size(0), w.size(1),
-                     w.stride(0), w.stride(1), int4};
-  const uint32_t version = w.unsafeGetTensorImpl()->version_counter().current_version();
+// The cache entry `key` of a matrix of `base` (the matrix itself or the stacked tensor it is a slice
+// of: both share the storage, the version counter and inference-ness), packing matrix() on a miss.
+template <typename Matrix>
+std::shared_ptr<const PackedMatrix> cached_pack(const at::Tensor& base, const CacheKey& key, const Matrix& matrix) {
+  if (base.is_inference()) return pack(matrix(), key.int4);
+  const uint32_t version = base.unsafeGetTensorImpl()->version_counter().current_version();
   PrepackCache& c = cache();
   std::lock_guard<std::mutex> lock(c.mutex);
   auto it = c.entries.find(key);
@@ -277,9 +275,28 @@ std::shared_ptr<const PackedMatrix> packed_matrix(const at::Tensor& w, bool int4
     return it->second.packed;
   }
   c.drop_expired();
-  std::shared_ptr<const PackedMatrix> packed = pack(w, int4);
-  c.entries.insert_or_assign(key, CacheEntry{w.storage().getWeakStorageImpl(), version, packed});
+  std::shared_ptr<const PackedMatrix> packed = pack(matrix(), key.int4);
+  c.entries.insert_or_assign(key, CacheEntry{base.storage().getWeakStorageImpl(), version, packed});
   return packed;
+}
+
+}  // namespace
+
+std::shared_ptr<const PackedMatrix> packed_matrix(const at::Tensor& w, bool int4) {
+  check_cpu(w, "weight");
+  TORCH_CHECK(w.dim() == 2, "cam_jit prepack: weight must be 2-D, got ", w.sizes());
+  const CacheKey key{w.storage().unsafeGetStorageImpl(), w.storage_offset(), w.size(0), w.size(1),
+                     w.stride(0), w.stride(1), int4};
+  return cached_pack(w, key, [&] { return w; });
+}
+
+std::shared_ptr<const PackedMatrix> packed_matrix(const at::Tensor& stacked, int64_t e, bool int4) {
+  check_cpu(stacked, "weight");
+  TORCH_CHECK(stacked.dim() == 3 && e >= 0 && e < stacked.size(0), "cam_jit prepack: expert ", e,
+              " is not in the stacked weight of shape ", stacked.sizes());
+  const CacheKey key{stacked.storage().unsafeGetStorageImpl(), stacked.storage_offset() + e * stacked.stride(0),
+                     stacked.size(1), stacked.size(2), stacked.stride(1), stacked.stride(2), int4};
+  return cached_pack(stacked, key, [&] { return stacked.select(0, e); });
 }
 
 GemmKernel gemm_kernel(int64_t rows) {

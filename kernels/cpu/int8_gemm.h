@@ -42,6 +42,9 @@ struct PackedMatrix {
 // update repacks; entries die with their storage. Inference tensors (no version counter) are
 // packed afresh on every call.
 std::shared_ptr<const PackedMatrix> packed_matrix(const at::Tensor& w, bool int4);
+// packed_matrix(stacked[e], int4) for a stacked weight [E, K, N] (int4: [E, K, N/8]), the same cache
+// entry, without making the view.
+std::shared_ptr<const PackedMatrix> packed_matrix(const at::Tensor& stacked, int64_t e, bool int4);
 
 // How a packed kernel takes its activation rows: kU8 the VNNI operand q + 128 (as q ^ 0x80) against
 // int8 weights, kS8 q itself (AMX), kNibbles the W4A8 nibble split hi = q >> 4, lo = (q & 15) - 8.

@@ -14,20 +14,33 @@
 
 namespace cam_jit_cpu {
 
-// The [K_in, N] matrix (item_dim == 2) or [N] vector (item_dim == 1) of local expert `e` in a
-// weight container: one stacked tensor with a leading expert dimension, one un-stacked tensor
-// (single local expert), or one tensor per expert (docs/semantics.md §1.3).
-inline at::Tensor expert_item(at::TensorList container, int64_t e, int64_t item_dim) {
+// Where the [K_in, N] matrix (item_dim == 2) or [N] vector (item_dim == 1) of local expert `e` lies in
+// a weight container: one stacked tensor with a leading expert dimension (`of`, index e), one
+// un-stacked tensor (single local expert: `of` itself, e = -1), or one tensor per expert (the e-th,
+// e = -1) (docs/semantics.md §1.3).
+struct ExpertSlot {
+  const at::Tensor& of;
+  int64_t e;
+};
+
+inline ExpertSlot expert_slot(at::TensorList container, int64_t e, int64_t item_dim) {
   const int64_t count = static_cast<int64_t>(container.size());
   if (count == 1) {
     const at::Tensor& only = container[0];
-    TORCH_CHECK(only.dim() == item_dim + 1 ? e >= 0 && e < only.size(0) : e == 0,
-                "_cam_jit_cpu: local expert ", e, " is not in the weight container of shape ", only.sizes());
-    return only.dim() == item_dim + 1 ? only.select(0, e) : only;
+    const bool stacked = only.dim() == item_dim + 1;
+    TORCH_CHECK(stacked ? e >= 0 && e < only.size(0) : e == 0, "_cam_jit_cpu: local expert ", e,
+                " is not in the weight container of shape ", only.sizes());
+    return {only, stacked ? e : -1};
   }
   TORCH_CHECK(e >= 0 && e < count, "_cam_jit_cpu: local expert ", e, " is not in a weight container of ", count,
               " tensors");
-  return container[e];
+  return {container[e], -1};
+}
+
+// The item of local expert `e` (see expert_slot), a view for a stacked container.
+inline at::Tensor expert_item(at::TensorList container, int64_t e, int64_t item_dim) {
+  const ExpertSlot slot = expert_slot(container, e, item_dim);
+  return slot.e < 0 ? slot.of : slot.of.select(0, slot.e);
 }
 
 // Round-half-to-even to an int8 quantisation level. Python has validated finite inputs for the

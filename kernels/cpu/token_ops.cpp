@@ -1,11 +1,11 @@
 // Token-side kernels of fused_deep_moe on CPU: dispatch quantisation and the weighted combine.
 #include "elementwise.h"
+#include "expert_ffn.h"
 #include "int8_gemm.h"
 #include "moe_common.h"
 #include "routing.h"
 
 #include <ATen/Dispatch.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
@@ -229,36 +229,25 @@ at::Tensor combine(const at::Tensor& y, const at::Tensor& pair_rows, const at::T
 }
 
 // fused_deep_moe on one rank (docs/semantics.md §1.8; §1.9 for int32 W4A8 weights): quantize_routed,
-// the expert FFN (_cam_jit_cpu::expert_ffn_w8a8 / _w4a8 on the pairs' rows grouped by expert, read
-// from the token rows where each token was quantised once) and combine, in one call. Weight
-// containers as the expert FFN takes them (b1, b2: W4A8 biases, empty under W8A8). Returns
-// (output [BS, H] x.dtype, expert_token_nums [experts] int64).
-std::tuple<at::Tensor, at::Tensor> moe_one_rank(const at::Tensor& x, const at::Tensor& expert_ids, int64_t active,
-                                                int64_t experts, const c10::optional<at::Tensor>& smooth_scales,
-                                                const at::Tensor& expert_scales, at::TensorList w1, at::TensorList s1,
-                                                at::TensorList b1, at::TensorList w2, at::TensorList s2,
-                                                at::TensorList b2) {
+// the expert FFN (expert_ffn_w8a8 / _w4a8 on the pairs' rows grouped by expert, read from the token
+// rows where each token was quantised once) and combine, in one call. Weight containers as the
+// expert FFN takes them (b1, b2: W4A8 biases, empty under W8A8). Returns (output [BS, H] x.dtype,
+// share_output: zeros [BS, H] x.dtype with zero_share (the op's share_output without a shared
+// expert), else [0, H], expert_token_nums [experts] int64).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_one_rank(
+    const at::Tensor& x, const at::Tensor& expert_ids, int64_t active, int64_t experts,
+    const c10::optional<at::Tensor>& smooth_scales, const at::Tensor& expert_scales, at::TensorList w1,
+    at::TensorList s1, at::TensorList b1, at::TensorList w2, at::TensorList s2, at::TensorList b2, bool zero_share) {
   TORCH_CHECK(!w1.empty(), "_cam_jit_cpu::moe_one_rank: w1 must hold at least one tensor");
   const RoutedRows r = quantize_routed(x, expert_ids, active, experts, smooth_scales);
   const c10::IntArrayRef group_sizes(r.counts.data_ptr<int64_t>(), r.counts.numel());
   const c10::optional<at::Tensor> rows = r.per_pair ? c10::nullopt : c10::optional<at::Tensor>(r.token);
-  at::Tensor y;
-  if (w1[0].scalar_type() == at::kInt) {
-    static const auto ffn = c10::Dispatcher::singleton()
-                                .findSchemaOrThrow("_cam_jit_cpu::expert_ffn_w4a8", "")
-                                .typed<at::Tensor(const at::Tensor&, const at::Tensor&, c10::IntArrayRef, at::TensorList,
-                                                  at::TensorList, at::TensorList, at::TensorList, at::TensorList,
-                                                  at::TensorList, at::ScalarType, const c10::optional<at::Tensor>&)>();
-    y = ffn.call(r.q, r.scale, group_sizes, w1, s1, b1, w2, s2, b2, x.scalar_type(), rows);
-  } else {
-    static const auto ffn = c10::Dispatcher::singleton()
-                                .findSchemaOrThrow("_cam_jit_cpu::expert_ffn_w8a8", "")
-                                .typed<at::Tensor(const at::Tensor&, const at::Tensor&, c10::IntArrayRef, at::TensorList,
-                                                  at::TensorList, at::TensorList, at::TensorList, at::ScalarType,
-                                                  const c10::optional<at::Tensor>&)>();
-    y = ffn.call(r.q, r.scale, group_sizes, w1, s1, w2, s2, x.scalar_type(), rows);
-  }
-  return {combine(y, r.pair_rows, expert_scales, active), r.counts};
+  const at::Tensor y = w1[0].scalar_type() == at::kInt
+                           ? expert_ffn_w4a8(r.q, r.scale, group_sizes, w1, s1, b1, w2, s2, b2, x.scalar_type(), rows)
+                           : expert_ffn_w8a8(r.q, r.scale, group_sizes, w1, s1, w2, s2, x.scalar_type(), rows);
+  at::Tensor share = at::empty({zero_share ? x.size(0) : 0, x.size(1)}, x.options());
+  if (zero_share) std::memset(share.data_ptr(), 0, share.nbytes());
+  return {combine(y, r.pair_rows, expert_scales, active), share, r.counts};
 }
 
 }  // namespace
@@ -272,7 +261,8 @@ TORCH_LIBRARY_FRAGMENT(_cam_jit_cpu, m) {
   m.def("combine(Tensor y, Tensor pair_rows, Tensor weights, int active_count) -> Tensor");
   m.def(
       "moe_one_rank(Tensor x, Tensor expert_ids, int active, int experts, Tensor? smooth_scales, Tensor expert_scales, "
-      "Tensor[] w1, Tensor[] s1, Tensor[] b1, Tensor[] w2, Tensor[] s2, Tensor[] b2) -> (Tensor, Tensor)");
+      "Tensor[] w1, Tensor[] s1, Tensor[] b1, Tensor[] w2, Tensor[] s2, Tensor[] b2, bool zero_share) -> "
+      "(Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(_cam_jit_cpu, CPU, m) {
