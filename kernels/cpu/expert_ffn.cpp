@@ -442,17 +442,19 @@ void for_each_group(const std::vector<PackedExpert>& experts, std::shared_ptr<co
     return i >= 0 && i < n_items ? VnniNext{(experts[items[i].first].*which).get(), items[i].second} : VnniNext{};
   };
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<int32_t> scratch(2 * max_rows * kVnniGroupColumns);
+    thread_local KeptBuffer scratch_space;
+    int32_t* const scratch = scratch_space.get<int32_t>(2 * max_rows * kVnniGroupColumns);
     for (int64_t t = t0; t < t1; ++t) {
       int64_t i = 0;
       while (runs[t].take(true, i)) {
-        fn(experts[items[i].first], items[i].second, item_next(runs[t].peek_front()), scratch.data());
+        fn(experts[items[i].first], items[i].second, item_next(runs[t].peek_front()), scratch);
       }
       for (int64_t other = 1; other < threads; ++other) {
         ItemRun& run = runs[(t + other) % threads];
-        while (run.take(false, i)) fn(experts[items[i].first], items[i].second, item_next(i - 1), scratch.data());
+        while (run.take(false, i)) fn(experts[items[i].first], items[i].second, item_next(i - 1), scratch);
       }
     }
+    scratch_space.trim();
   });
 }
 
@@ -474,6 +476,10 @@ template <typename scalar_t>
 void experts_packed(std::vector<PackedExpert>& experts, const GroupedRows& rows, scalar_t* y, int64_t hidden) {
   const bool vec = vector_kernel() == VectorKernel::kAvx512;
   const float* a = rows.scale;
+  // The stage buffer of this call, kept by the calling thread (about 4 MiB for a batch of
+  // kBatchBytes): d [rows, 2I] and -d of the gate half [rows, I] of every expert, the row scales
+  // b of GEMM2, then the experts' packed activation rows of both GEMMs (64-byte aligned each).
+  const auto aligned = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
   int64_t d_size = 0, gate_size = 0;
   for (PackedExpert& ve : experts) {
     ve.d_at = d_size;
@@ -482,21 +488,26 @@ void experts_packed(std::vector<PackedExpert>& experts, const GroupedRows& rows,
     gate_size += ve.rows * ve.inter;
     ve.w1 = ve.ex.w1.packed(ve.ex.int4);
     ve.w2 = ve.ex.w2.packed(ve.ex.int4);
-    ve.rows1 = packed_rows(*ve.w1, ve.rows, ve.kernel);
-    ve.rows2 = packed_rows(*ve.w2, ve.rows, ve.kernel);  // set by region B
+  }
+  const int64_t gate_at = aligned(d_size * 4), b_at = gate_at + aligned(gate_size * 4);
+  int64_t stage_bytes = b_at + aligned(rows.count * 4);
+  for (const PackedExpert& ve : experts) {
+    stage_bytes += packed_rows_bytes(*ve.w1, ve.rows, ve.kernel) + packed_rows_bytes(*ve.w2, ve.rows, ve.kernel);
+  }
+  thread_local KeptBuffer stage;
+  char* const stage_ptr = stage.get<char>(stage_bytes);
+  float* d_ptr = reinterpret_cast<float*>(stage_ptr);
+  float* ng_ptr = reinterpret_cast<float*>(stage_ptr + gate_at);
+  float* b = reinterpret_cast<float*>(stage_ptr + b_at);
+  char* rows_ptr = stage_ptr + b_at + aligned(rows.count * 4);
+  for (PackedExpert& ve : experts) {
+    ve.rows1 = packed_rows(*ve.w1, ve.rows, ve.kernel, rows_ptr);
+    rows_ptr += packed_rows_bytes(*ve.w1, ve.rows, ve.kernel);
+    ve.rows2 = packed_rows(*ve.w2, ve.rows, ve.kernel, rows_ptr);  // set by region B
+    rows_ptr += packed_rows_bytes(*ve.w2, ve.rows, ve.kernel);
     for (int64_t r = 0; r < ve.rows; ++r) set_row(ve.rows1, r, rows.row(ve.start + r));
   }
-  // Kept per calling thread and grown on demand (about 3 MiB for a batch of kBatchBytes, more for
-  // one expert of more rows): fresh memory of this size costs a page fault per 4 KiB on every call.
-  // Buffers grown past kKeptStageFloats (a large prefill expert) are freed after the call.
-  constexpr size_t kKeptStageFloats = size_t{1} << 20;
-  thread_local std::vector<float> d_space, gate_space;
-  d_space.resize(std::max<size_t>(d_space.size(), d_size));
-  gate_space.resize(std::max<size_t>(gate_space.size(), gate_size));
-  at::Tensor neg_gate = at::from_blob(gate_space.data(), {gate_size}, at::TensorOptions().dtype(at::kFloat));
-  std::vector<float> b(rows.count);
-  float* d_ptr = d_space.data();
-  float* ng_ptr = gate_space.data();
+  at::Tensor neg_gate = at::from_blob(ng_ptr, {gate_size}, at::TensorOptions().dtype(at::kFloat));
   for_each_group(experts, &PackedExpert::w1, [&](const PackedExpert& ve, int64_t g, VnniNext next, int32_t* acc) {
     const int64_t width = 2 * ve.inter;
     const GroupProduct p = group_product(ve, ve.rows1, *ve.w1, ve.ex.s1, ve.ex.b1, width, g, next, acc);
@@ -530,15 +541,16 @@ void experts_packed(std::vector<PackedExpert>& experts, const GroupedRows& rows,
     } else if (inline_b) {
       at::exp_(neg_gate);
     }
-    std::vector<float> h(max_inter);
-    std::vector<int8_t> q2(max_inter);
+    thread_local KeptBuffer row_space;
+    float* const h = row_space.get<float>(2 * max_inter);  // then q2's bytes
+    int8_t* const q2 = reinterpret_cast<int8_t*>(h + max_inter);
     for (int64_t i = i0; i < i1; ++i) {
       const PackedExpert& ve = experts[row_blocks[i].first];
       for (int64_t r = row_blocks[i].second; r < std::min(ve.rows, row_blocks[i].second + kSwigluRows); ++r) {
         const float* gate = d_ptr + ve.d_at + r * 2 * ve.inter;
-        b[ve.start + r] = swiglu_requant_row(gate, gate + ve.inter, ng_ptr + ve.gate_at + r * ve.inter, h.data(),
-                                             q2.data(), ve.inter, vec);
-        set_row(ve.rows2, r, q2.data());
+        b[ve.start + r] = swiglu_requant_row(gate, gate + ve.inter, ng_ptr + ve.gate_at + r * ve.inter, h, q2,
+                                             ve.inter, vec);
+        set_row(ve.rows2, r, q2);
       }
     }
   });
@@ -550,10 +562,7 @@ void experts_packed(std::vector<PackedExpert>& experts, const GroupedRows& rows,
       cast_row(row, y + (ve.start + r) * hidden + p.col, p.cols, vec);
     }
   });
-  if (d_space.size() > kKeptStageFloats) {
-    std::vector<float>().swap(d_space);
-    std::vector<float>().swap(gate_space);
-  }
+  stage.trim();
 }
 
 // Steps 2-4 for M rows of int8 grouped by local expert (group_sizes[e] rows for expert e, in order):

@@ -626,23 +626,42 @@ CAM_JIT_AVX512 std::pair<int64_t, int64_t> split_row_nibbles(const int8_t* q, in
 
 }  // namespace
 
-PackedRows packed_rows(const PackedMatrix& w, int64_t m, GemmKernel kernel) {
+namespace {
+
+RowForm row_form(const PackedMatrix& w, GemmKernel kernel) {
+  return w.int4 ? RowForm::kNibbles : (kernel == GemmKernel::kAmx ? RowForm::kS8 : RowForm::kU8);
+}
+
+int64_t padded_rows(int64_t m, GemmKernel kernel) {
+  return kernel == GemmKernel::kAmx ? round_up(std::max<int64_t>(m, 1), 16) : m;
+}
+
+}  // namespace
+
+int64_t packed_rows_bytes(const PackedMatrix& w, int64_t m, GemmKernel kernel) {
+  const int64_t rows = padded_rows(m, kernel);
+  if (row_form(w, kernel) != RowForm::kNibbles) return round_up(rows * w.kp, 64);
+  return 2 * rows * w.kp + round_up(2 * rows * 4, 64);  // kp is a multiple of 64
+}
+
+PackedRows packed_rows(const PackedMatrix& w, int64_t m, GemmKernel kernel, void* memory) {
   TORCH_CHECK(m >= 0 && (kernel == GemmKernel::kVnni || kernel == GemmKernel::kAmx),
               "cam_jit packed_rows: m must be >= 0 and the kernel packed, got ", m);
-  const int64_t rows_out = kernel == GemmKernel::kAmx ? round_up(std::max<int64_t>(m, 1), 16) : m;
-  const int64_t kp = w.kp;
-  const auto bytes = at::TensorOptions().dtype(at::kChar);
   PackedRows out;
   out.m = m;
   out.k = w.k;
-  out.form = w.int4 ? RowForm::kNibbles : (kernel == GemmKernel::kAmx ? RowForm::kS8 : RowForm::kU8);
-  out.a = at::empty({rows_out, kp}, bytes);
-  std::memset(out.a.data_ptr<int8_t>() + m * kp, 0, (rows_out - m) * kp);
+  out.kp = w.kp;
+  out.padded_rows = padded_rows(m, kernel);
+  out.form = row_form(w, kernel);
+  const int64_t plane = out.padded_rows * w.kp;
+  out.a = static_cast<int8_t*>(memory);
+  std::memset(out.a + m * w.kp, 0, plane - m * w.kp);
   if (out.form == RowForm::kNibbles) {
 #if defined(CAM_JIT_X86)
-    out.b = at::empty({rows_out, kp}, bytes);
-    std::memset(out.b.data_ptr<int8_t>() + m * kp, 0, (rows_out - m) * kp);
-    out.sum8 = at::zeros({2, rows_out}, bytes.dtype(at::kInt));
+    out.b = out.a + plane;
+    std::memset(out.b + m * w.kp, 0, plane - m * w.kp);
+    out.sum8 = reinterpret_cast<int32_t*>(out.b + plane);
+    std::memset(out.sum8, 0, 2 * out.padded_rows * sizeof(int32_t));
 #else
     TORCH_CHECK(false, "cam_jit packed_rows: no int4 kernel on this architecture");
 #endif
@@ -650,9 +669,17 @@ PackedRows packed_rows(const PackedMatrix& w, int64_t m, GemmKernel kernel) {
   return out;
 }
 
+PackedRows packed_rows(const PackedMatrix& w, int64_t m, GemmKernel kernel) {
+  at::Tensor owner = at::empty({std::max<int64_t>(packed_rows_bytes(w, m, kernel), 64)},
+                               at::TensorOptions().dtype(at::kChar));
+  PackedRows out = packed_rows(w, m, kernel, owner.data_ptr());
+  out.owner = std::move(owner);
+  return out;
+}
+
 void set_row(const PackedRows& rows, int64_t r, const int8_t* q) {
-  const int64_t kp = rows.a.size(1), k = rows.k;
-  int8_t* a = rows.a.data_ptr<int8_t>() + r * kp;
+  const int64_t kp = rows.kp, k = rows.k;
+  int8_t* a = rows.a + r * kp;
   if (rows.form != RowForm::kNibbles) {
     const int8_t flip = rows.form == RowForm::kU8 ? static_cast<int8_t>(0x80) : 0;
     for (int64_t j = 0; j < k; ++j) a[j] = static_cast<int8_t>(q[j] ^ flip);
@@ -660,10 +687,9 @@ void set_row(const PackedRows& rows, int64_t r, const int8_t* q) {
     return;
   }
 #if defined(CAM_JIT_X86)
-  const auto [sum_hi, sum_lo] = split_row_nibbles(q, k, kp, a, rows.b.data_ptr<int8_t>() + r * kp);
-  int32_t* sum8 = rows.sum8.data_ptr<int32_t>();
-  sum8[r] = static_cast<int32_t>(8 * sum_hi);
-  sum8[rows.a.size(0) + r] = static_cast<int32_t>(8 * sum_lo);
+  const auto [sum_hi, sum_lo] = split_row_nibbles(q, k, kp, a, rows.b + r * kp);
+  rows.sum8[r] = static_cast<int32_t>(8 * sum_hi);
+  rows.sum8[rows.padded_rows + r] = static_cast<int32_t>(8 * sum_lo);
 #endif
 }
 
@@ -687,7 +713,7 @@ void vnni_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_
     last.next = next.w->panel.data_ptr<uint8_t>() + next.g * kVnniNr * last.next_bytes;
   }
   if (!w.int4) {
-    const uint8_t* a = reinterpret_cast<const uint8_t*>(rows.a.data_ptr<int8_t>());
+    const uint8_t* a = reinterpret_cast<const uint8_t*>(rows.a);
     const int32_t* comp = w.comp.data_ptr<int32_t>() + b * kBlockN;
     for (int64_t r = 0; r < m; r += kVnniMrI8) {
       const int mr = static_cast<int>(std::min<int64_t>(kVnniMrI8, m - r));
@@ -696,9 +722,9 @@ void vnni_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_
     }
     return;
   }
-  const int8_t* hi = rows.a.data_ptr<int8_t>();
-  const int8_t* lo = rows.b.data_ptr<int8_t>();
-  const int32_t* hi_sum8 = rows.sum8.data_ptr<int32_t>();
+  const int8_t* hi = rows.a;
+  const int8_t* lo = rows.b;
+  const int32_t* hi_sum8 = rows.sum8;
   const int32_t* lo_sum8 = hi_sum8 + m;
   for (int64_t r = 0; r < m; r += kVnniMrI4) {
     const int mr = static_cast<int>(std::min<int64_t>(kVnniMrI4, m - r));
@@ -713,19 +739,19 @@ void vnni_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_
 
 void amx_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_t* acc, int32_t* lo_acc, int64_t ld) {
 #if defined(CAM_JIT_X86)
-  const int64_t mp = rows.a.size(0);
+  const int64_t mp = rows.padded_rows;
   const int64_t blocks = w.np / kBlockN;
   const int64_t b0 = g * kVnniNr, b1 = std::min<int64_t>(b0 + kVnniNr, blocks);
   const uint8_t* panels = w.panel.data_ptr<uint8_t>();
   const uint8_t* end = panels + w.panel.nbytes();
   amx_configure();
   if (!w.int4) {
-    amx_i8_blocks(rows.a.data_ptr<int8_t>(), mp, panels, w.kp, b0, b1, end, acc, ld);
+    amx_i8_blocks(rows.a, mp, panels, w.kp, b0, b1, end, acc, ld);
   } else {
     thread_local std::vector<uint8_t> raw;
     raw.resize(2 * w.kp * kBlockN + 64);
     uint8_t* scratch = reinterpret_cast<uint8_t*>(round_up(reinterpret_cast<intptr_t>(raw.data()), 64));
-    amx_i4_blocks(rows.a.data_ptr<int8_t>(), rows.b.data_ptr<int8_t>(), mp, panels, w.kp, b0, b1, end, acc, lo_acc,
+    amx_i4_blocks(rows.a, rows.b, mp, panels, w.kp, b0, b1, end, acc, lo_acc,
                   ld, scratch);
   }
   amx_release();
@@ -771,7 +797,7 @@ at::Tensor packed_matmul(const at::Tensor& q, const PackedMatrix& w, GemmKernel 
   const int64_t groups = vnni_groups(w);
   if (m == 0) return at::empty({0, w.n}, q.options().dtype(at::kInt));
   const PackedRows rows = rows_of(q, w, kernel);
-  const int64_t mp = rows.a.size(0), ld = groups * kVnniGroupColumns;
+  const int64_t mp = rows.padded_rows, ld = groups * kVnniGroupColumns;
   at::Tensor c = at::empty({parts, mp, ld}, q.options().dtype(at::kInt));
   int32_t* cp = c.data_ptr<int32_t>();
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {

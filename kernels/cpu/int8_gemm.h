@@ -50,17 +50,26 @@ std::shared_ptr<const PackedMatrix> packed_matrix(const at::Tensor& stacked, int
 // int8 weights, kS8 q itself (AMX), kNibbles the W4A8 nibble split hi = q >> 4, lo = (q & 15) - 8.
 enum class RowForm { kU8, kS8, kNibbles };
 
-// Activation rows for the packed kernels, padded with zeros to Kp columns (and, for AMX, to a
-// multiple of 16 rows): `a` the rows in their form, for kNibbles a = hi, b = lo and sum8 int32
-// [2, padded rows] = 8 * their row sums.
+// Activation rows for the packed kernels, padded with zeros to kp columns (and, for AMX, to a
+// multiple of 16 rows): `a` [padded rows, kp] the rows in their form, for kNibbles a = hi, b = lo
+// and sum8 int32 [2, padded rows] = 8 * their row sums. In memory of the caller's, or of `owner`.
 struct PackedRows {
-  at::Tensor a, b, sum8;
-  int64_t m = 0, k = 0;  // rows and columns of q
+  at::Tensor owner;
+  int8_t* a = nullptr;
+  int8_t* b = nullptr;
+  int32_t* sum8 = nullptr;
+  int64_t m = 0, k = 0;             // rows and columns of q
+  int64_t padded_rows = 0, kp = 0;  // of a and b
   RowForm form = RowForm::kU8;
 };
 
-// Room for m activation rows of K == w.k columns for `kernel` (kVnni or kAmx) against w, the padding
-// zeroed; set_row fills row r < m from q[0..K) int8 (rows may be set from several threads at once).
+// Bytes (a multiple of 64) of the rows packed_rows lays out for m rows against w for `kernel`.
+int64_t packed_rows_bytes(const PackedMatrix& w, int64_t m, GemmKernel kernel);
+// Room for m activation rows of K == w.k columns for `kernel` (kVnni or kAmx) against w in `memory`
+// (packed_rows_bytes of it, 64-byte aligned, kept alive by the caller), the padding zeroed; set_row
+// fills row r < m from q[0..K) int8 (rows may be set from several threads at once).
+PackedRows packed_rows(const PackedMatrix& w, int64_t m, GemmKernel kernel, void* memory);
+// As above, in memory the rows own.
 PackedRows packed_rows(const PackedMatrix& w, int64_t m, GemmKernel kernel);
 void set_row(const PackedRows& rows, int64_t r, const int8_t* q);
 

@@ -11,6 +11,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <memory>
 
 namespace cam_jit_cpu {
 
@@ -63,5 +65,38 @@ inline float abs_max(float running, float v) {
 inline void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), "_cam_jit_cpu: ", name, " must be a CPU tensor, got ", t.device());
 }
+
+// Scratch memory kept by its (thread_local) owner across calls and grown on demand: fresh memory of
+// some size costs a page fault per 4 KiB on every call, and malloc / free pairs per call add up at
+// decode sizes. Not zeroed. Buffers grown past kKeptBytes (a large prefill batch) are given back
+// by trim() after the call.
+class KeptBuffer {
+ public:
+  static constexpr size_t kKeptBytes = size_t{8} << 20;
+  // At least `bytes`, 64-byte aligned, valid until the next get() or trim().
+  template <typename T>
+  T* get(size_t count) {
+    const size_t bytes = (count * sizeof(T) + 63) / 64 * 64;
+    if (bytes > bytes_) {
+      memory_.reset(static_cast<char*>(std::aligned_alloc(64, bytes)));
+      TORCH_CHECK(memory_ != nullptr, "cam_jit: out of memory for ", bytes, " bytes of scratch");
+      bytes_ = bytes;
+    }
+    return reinterpret_cast<T*>(memory_.get());
+  }
+  void trim() {
+    if (bytes_ > kKeptBytes) {
+      memory_.reset();
+      bytes_ = 0;
+    }
+  }
+
+ private:
+  struct Free {
+    void operator()(char* p) const { std::free(p); }
+  };
+  std::unique_ptr<char, Free> memory_;
+  size_t bytes_ = 0;
+};
 
 }  // namespace cam_jit_cpu

@@ -61,7 +61,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x,
     const scalar_t* x_ptr = xc.data_ptr<scalar_t>();
     const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(hidden, 1));
     at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-      std::vector<float> v(hidden);
+      thread_local KeptBuffer row_space;
+      float* const v = row_space.get<float>(hidden);
       for (int64_t i = begin; i < end; ++i) {
         const int64_t src = xi_ptr ? xi_ptr[i] : i;
         TORCH_CHECK(src >= 0 && src < x_rows, "_cam_jit_cpu::quantize_rows: x_index out of range");
@@ -75,8 +76,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x,
         }
 #if defined(__x86_64__)
         if (bf16 && vec) {
-          avx512::bf16_to_float(reinterpret_cast<const uint16_t*>(xr), sr, v.data(), hidden);
-          amax = avx512::abs_max(v.data(), hidden);
+          avx512::bf16_to_float(reinterpret_cast<const uint16_t*>(xr), sr, v, hidden);
+          amax = avx512::abs_max(v, hidden);
         } else
 #endif
         if (sr) {
@@ -100,7 +101,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x,
         scale_ptr[i] = 1.f / s_q;
 #if defined(__x86_64__)
         if (vec) {
-          avx512::quantize(v.data(), 0.f, s_q, qr, hidden);
+          avx512::quantize(v, 0.f, s_q, qr, hidden);
           continue;
         }
 #endif
@@ -192,9 +193,10 @@ at::Tensor combine(const at::Tensor& y, const at::Tensor& pair_rows, const at::T
     scalar_t* out_ptr = out.data_ptr<scalar_t>();
     const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(hidden * std::max<int64_t>(topk, 1), 1));
     at::parallel_for(0, active_count, grain, [&](int64_t begin, int64_t end) {
-      std::vector<float> acc(hidden);
+      thread_local KeptBuffer row_space;
+      float* const acc = row_space.get<float>(hidden);
       for (int64_t t = begin; t < end; ++t) {
-        std::fill(acc.begin(), acc.end(), 0.f);
+        std::fill(acc, acc + hidden, 0.f);
         for (int64_t k = 0; k < topk; ++k) {
           const int64_t row = pr_ptr[t * topk + k];
           if (row < 0) continue;
@@ -203,7 +205,7 @@ at::Tensor combine(const at::Tensor& y, const at::Tensor& pair_rows, const at::T
           const scalar_t* yr = y_ptr + row * hidden;
 #if defined(__x86_64__)
           if (bf16 && vec) {
-            avx512::accumulate_bf16(reinterpret_cast<const uint16_t*>(yr), w, acc.data(), hidden);
+            avx512::accumulate_bf16(reinterpret_cast<const uint16_t*>(yr), w, acc, hidden);
             continue;
           }
 #endif
@@ -215,7 +217,7 @@ at::Tensor combine(const at::Tensor& y, const at::Tensor& pair_rows, const at::T
         scalar_t* orow = out_ptr + t * hidden;
 #if defined(__x86_64__)
         if (bf16 && vec) {
-          avx512::float_to_bf16(acc.data(), reinterpret_cast<uint16_t*>(orow), hidden);
+          avx512::float_to_bf16(acc, reinterpret_cast<uint16_t*>(orow), hidden);
           continue;
         }
 #endif
