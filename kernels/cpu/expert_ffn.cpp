@@ -458,16 +458,6 @@ void for_each_group(const std::vector<PackedExpert>& experts, std::shared_ptr<co
   });
 }
 
-// The int8 rows of expert_ffn in expert order: row i is q[index[i]] (or q[i] without an index) of
-// `hidden` columns, with the per-row scale scale[i].
-struct GroupedRows {
-  const int8_t* q;
-  const int64_t* index;
-  const float* scale;
-  int64_t hidden, count;
-  const int8_t* row(int64_t i) const { return q + (index != nullptr ? index[i] : i) * hidden; }
-};
-
 // Steps 2-4 of every expert in `experts` with its packed GEMM: GEMM1 of all experts in one parallel
 // region with the dequantisation fused per column group, SwiGLU and requantisation over blocks of
 // rows in a second (each requantised row laid out for GEMM2 as it is made), GEMM2 with the
@@ -565,53 +555,22 @@ void experts_packed(std::vector<PackedExpert>& experts, const GroupedRows& rows,
   stage.trim();
 }
 
-// Steps 2-4 for M rows of int8 grouped by local expert (group_sizes[e] rows for expert e, in order):
-// q [M, H] with per-row scales q_scale [M] float32, or, with `row_index` (int64 [M]), row i is
-// q[row_index[i]] with scale q_scale[row_index[i]]. `load(e)` gives expert e's weights. Returns y [M, H] of
-// out_dtype. Experts whose rows pick a packed GEMM run together (experts_packed), the others
-// (`_int_mm`) one after another (expert_alone).
+// Steps 2-4 on `grouped_rows` (checked by the caller; group_sizes[e] of them for local expert e, in
+// order). `load(e)` gives expert e's weights. Returns y [rows, H] of out_dtype. Experts whose rows
+// pick a packed GEMM run together (experts_packed), the others (`_int_mm`) one after another
+// (expert_alone).
 template <typename Load>
-at::Tensor expert_ffn(const char* name, const at::Tensor& q, const at::Tensor& q_scale, c10::IntArrayRef group_sizes,
-                      at::ScalarType out_dtype, const c10::optional<at::Tensor>& row_index, const Load& load) {
-  check_cpu(q, "q");
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "_cam_jit_cpu::", name, ": q must be int8 2-D");
-  TORCH_CHECK(q_scale.scalar_type() == at::kFloat && q_scale.numel() == q.size(0),
-              "_cam_jit_cpu::", name, ": q_scale must be float32 [", q.size(0), "]");
-  TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kHalf,
-              "_cam_jit_cpu::", name, ": out_dtype must be bfloat16 or float16");
-  const at::Tensor qc = q.contiguous();
-  const at::Tensor ac = q_scale.contiguous();
-  at::Tensor index;
-  if (row_index.has_value()) {
-    check_cpu(*row_index, "rows");
-    TORCH_CHECK(row_index->dim() == 1 && row_index->scalar_type() == at::kLong, "_cam_jit_cpu::", name,
-                ": rows must be a 1-D int64 tensor, got ", row_index->scalar_type(), " ", row_index->sizes());
-    index = row_index->contiguous();
-  }
-  const int64_t total_rows = index.defined() ? index.numel() : q.size(0);
-  const int64_t hidden = q.size(1);
+at::Tensor ffn_on_rows(const char* name, const GroupedRows& grouped_rows, c10::IntArrayRef group_sizes,
+                       at::ScalarType out_dtype, const Load& load) {
+  const int64_t hidden = grouped_rows.hidden;
   int64_t grouped = 0;
   for (const int64_t n : group_sizes) {
     TORCH_CHECK(n >= 0, "_cam_jit_cpu::", name, ": negative group size");
     grouped += n;
   }
-  TORCH_CHECK(grouped == total_rows, "_cam_jit_cpu::", name, ": group sizes sum to ", grouped, " but there are ",
-              total_rows, " rows");
-  // The rows' scales in expert order: q_scale itself, or gathered through the index (checked).
-  const float* scale = ac.data_ptr<float>();
-  const int64_t* idx = index.defined() ? index.data_ptr<int64_t>() : nullptr;
-  std::vector<float> gathered;
-  if (idx != nullptr) {
-    gathered.resize(total_rows);
-    for (int64_t i = 0; i < total_rows; ++i) {
-      TORCH_CHECK(idx[i] >= 0 && idx[i] < q.size(0), "_cam_jit_cpu::", name, ": rows[", i, "] = ", idx[i],
-                  " outside [0, ", q.size(0), ")");
-      gathered[i] = scale[idx[i]];
-    }
-    scale = gathered.data();
-  }
-  const GroupedRows grouped_rows{qc.data_ptr<int8_t>(), idx, scale, hidden, total_rows};
-  at::Tensor y = at::empty({total_rows, hidden}, qc.options().dtype(out_dtype));
+  TORCH_CHECK(grouped == grouped_rows.count, "_cam_jit_cpu::", name, ": group sizes sum to ", grouped,
+              " but there are ", grouped_rows.count, " rows");
+  at::Tensor y = at::empty({grouped_rows.count, hidden}, at::TensorOptions().dtype(out_dtype));
   std::vector<PackedExpert> packed_experts;
   int64_t start = 0;
   for (int64_t e = 0; e < static_cast<int64_t>(group_sizes.size()); ++e) {
@@ -631,10 +590,10 @@ at::Tensor expert_ffn(const char* name, const at::Tensor& q, const at::Tensor& q
     if (kernel != GemmKernel::kIntMm) {
       packed_experts.push_back(PackedExpert{start, rows, inter, kernel, ex, nullptr, nullptr, {}, {}, 0, 0});
     } else {
-      const at::Tensor qe =
-          idx != nullptr ? qc.index_select(0, index.narrow(0, start, rows)) : qc.narrow(0, start, rows);
+      at::Tensor qe = at::empty({rows, hidden}, at::TensorOptions().dtype(at::kChar));
+      for (int64_t r = 0; r < rows; ++r) std::memcpy(qe.data_ptr<int8_t>() + r * hidden, grouped_rows.row(start + r), hidden);
       AT_DISPATCH_REDUCED_FLOATING_TYPES(out_dtype, "expert_ffn", [&] {
-        expert_alone<scalar_t>(qe, scale + start, ex, inter, y.data_ptr<scalar_t>() + start * hidden);
+        expert_alone<scalar_t>(qe, grouped_rows.scale + start, ex, inter, y.data_ptr<scalar_t>() + start * hidden);
       });
     }
     start += rows;
@@ -659,6 +618,47 @@ at::Tensor expert_ffn(const char* name, const at::Tensor& q, const at::Tensor& q
   return y;
 }
 
+// Steps 2-4 for M rows of int8 grouped by local expert (group_sizes[e] rows for expert e, in order):
+// q [M, H] with per-row scales q_scale [M] float32, or, with `row_index` (int64 [M]), row i is
+// q[row_index[i]] with scale q_scale[row_index[i]]: the checks of q, q_scale and the index, then
+// ffn_on_rows.
+template <typename Load>
+at::Tensor expert_ffn(const char* name, const at::Tensor& q, const at::Tensor& q_scale, c10::IntArrayRef group_sizes,
+                      at::ScalarType out_dtype, const c10::optional<at::Tensor>& row_index, const Load& load) {
+  check_cpu(q, "q");
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "_cam_jit_cpu::", name, ": q must be int8 2-D");
+  TORCH_CHECK(q_scale.scalar_type() == at::kFloat && q_scale.numel() == q.size(0),
+              "_cam_jit_cpu::", name, ": q_scale must be float32 [", q.size(0), "]");
+  TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kHalf,
+              "_cam_jit_cpu::", name, ": out_dtype must be bfloat16 or float16");
+  const at::Tensor qc = q.contiguous();
+  const at::Tensor ac = q_scale.contiguous();
+  at::Tensor index;
+  if (row_index.has_value()) {
+    check_cpu(*row_index, "rows");
+    TORCH_CHECK(row_index->dim() == 1 && row_index->scalar_type() == at::kLong, "_cam_jit_cpu::", name,
+                ": rows must be a 1-D int64 tensor, got ", row_index->scalar_type(), " ", row_index->sizes());
+    index = row_index->contiguous();
+  }
+  const int64_t total_rows = index.defined() ? index.numel() : q.size(0);
+  const int64_t hidden = q.size(1);
+  // The rows' scales in expert order: q_scale itself, or gathered through the index (checked).
+  const float* scale = ac.data_ptr<float>();
+  const int64_t* idx = index.defined() ? index.data_ptr<int64_t>() : nullptr;
+  std::vector<float> gathered;
+  if (idx != nullptr) {
+    gathered.resize(total_rows);
+    for (int64_t i = 0; i < total_rows; ++i) {
+      TORCH_CHECK(idx[i] >= 0 && idx[i] < q.size(0), "_cam_jit_cpu::", name, ": rows[", i, "] = ", idx[i],
+                  " outside [0, ", q.size(0), ")");
+      gathered[i] = scale[idx[i]];
+    }
+    scale = gathered.data();
+  }
+  return ffn_on_rows(name, GroupedRows{qc.data_ptr<int8_t>(), idx, scale, hidden, total_rows}, group_sizes, out_dtype,
+                     load);
+}
+
 // A weight matrix of expert e as stored: int8 (W8A8) or int32 words of packed int4 values.
 ExpertMatrix int_weight(const char* name, const char* arg, at::TensorList container, int64_t e, bool packed) {
   const ExpertSlot slot = expert_slot(container, e, 2);
@@ -670,16 +670,32 @@ ExpertMatrix int_weight(const char* name, const char* arg, at::TensorList contai
   return w;
 }
 
+// Expert e's weights from W8A8 (int8 matrices, no biases) or W4A8 (int32 words, biases) containers.
+Expert load_expert(const char* name, bool int4, at::TensorList w1, at::TensorList s1, at::TensorList b1,
+                   at::TensorList w2, at::TensorList s2, at::TensorList b2, int64_t e) {
+  return Expert{int_weight(name, "gmm1 weight", w1, e, int4), float_item(s1, e),
+                int4 ? float_item(b1, e) : ExpertVector(), int_weight(name, "gmm2 weight", w2, e, int4),
+                float_item(s2, e), int4 ? float_item(b2, e) : ExpertVector(), int4};
+}
+
 }  // namespace
+
+at::Tensor expert_ffn_grouped(const GroupedRows& rows, c10::IntArrayRef group_sizes, at::TensorList w1,
+                              at::TensorList s1, at::TensorList b1, at::TensorList w2, at::TensorList s2,
+                              at::TensorList b2, at::ScalarType out_dtype) {
+  TORCH_CHECK(!w1.empty(), "_cam_jit_cpu::expert_ffn: w1 must hold at least one tensor");
+  const bool int4 = w1[0].scalar_type() == at::kInt;
+  const char* name = int4 ? "expert_ffn_w4a8" : "expert_ffn_w8a8";
+  return ffn_on_rows(name, rows, group_sizes, out_dtype,
+                     [&](int64_t e) { return load_expert(name, int4, w1, s1, b1, w2, s2, b2, e); });
+}
 
 at::Tensor expert_ffn_w8a8(const at::Tensor& q, const at::Tensor& q_scale, c10::IntArrayRef group_sizes,
                            at::TensorList w1, at::TensorList s1, at::TensorList w2, at::TensorList s2,
                            at::ScalarType out_dtype, const c10::optional<at::Tensor>& rows) {
   constexpr const char* name = "expert_ffn_w8a8";
-  return expert_ffn(name, q, q_scale, group_sizes, out_dtype, rows, [&](int64_t e) {
-    return Expert{int_weight(name, "gmm1 weight", w1, e, false), float_item(s1, e), ExpertVector(),
-                  int_weight(name, "gmm2 weight", w2, e, false), float_item(s2, e), ExpertVector(), false};
-  });
+  return expert_ffn(name, q, q_scale, group_sizes, out_dtype, rows,
+                    [&](int64_t e) { return load_expert(name, false, w1, s1, {}, w2, s2, {}, e); });
 }
 
 at::Tensor expert_ffn_w4a8(const at::Tensor& q, const at::Tensor& q_scale, c10::IntArrayRef group_sizes,
@@ -687,10 +703,8 @@ at::Tensor expert_ffn_w4a8(const at::Tensor& q, const at::Tensor& q_scale, c10::
                            at::TensorList s2, at::TensorList b2, at::ScalarType out_dtype,
                            const c10::optional<at::Tensor>& rows) {
   constexpr const char* name = "expert_ffn_w4a8";
-  return expert_ffn(name, q, q_scale, group_sizes, out_dtype, rows, [&](int64_t e) {
-    return Expert{int_weight(name, "gmm1 weight", w1, e, true), float_item(s1, e), float_item(b1, e),
-                  int_weight(name, "gmm2 weight", w2, e, true), float_item(s2, e), float_item(b2, e), true};
-  });
+  return expert_ffn(name, q, q_scale, group_sizes, out_dtype, rows,
+                    [&](int64_t e) { return load_expert(name, true, w1, s1, b1, w2, s2, b2, e); });
 }
 
 }  // namespace cam_jit_cpu

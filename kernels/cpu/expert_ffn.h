@@ -7,6 +7,22 @@
 
 namespace cam_jit_cpu {
 
+// The int8 rows of the expert FFN in expert order: row i is q[index[i]] (or q[i] without an index) of
+// `hidden` columns, with the row scale scale[i] (float32, one per grouped row).
+struct GroupedRows {
+  const int8_t* q;
+  const int64_t* index;
+  const float* scale;
+  int64_t hidden, count;
+  const int8_t* row(int64_t i) const { return q + (index != nullptr ? index[i] : i) * hidden; }
+};
+
+// expert_ffn_w8a8 (int8 w1) or expert_ffn_w4a8 (int32 w1; b1, b2 its biases, empty under W8A8) on
+// rows the caller has checked (indices in range, scales per grouped row).
+at::Tensor expert_ffn_grouped(const GroupedRows& rows, c10::IntArrayRef group_sizes, at::TensorList w1,
+                              at::TensorList s1, at::TensorList b1, at::TensorList w2, at::TensorList s2,
+                              at::TensorList b2, at::ScalarType out_dtype);
+
 // q: [M, H] int8 rows grouped by local expert (group_sizes[e] rows for expert e), or with rows
 // (int64 [M]) the rows q[rows[i]]; q_scale: float32, one per row of q; w1/s1/w2/s2: weight
 // containers (§1.3) of [H, 2I] int8, [2I] float, [I, H] int8, [H] float. Returns y: [M, H] of

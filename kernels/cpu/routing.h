@@ -15,4 +15,13 @@ namespace cam_jit_cpu {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> route_pairs(const at::Tensor& expert_ids,
                                                                                    int64_t active, int64_t experts);
 
+// The same in two passes on memory of the caller's. checked_ids: expert_ids' int32 ids after the
+// checks of route_pairs (contiguous, `active` and `experts` in range). route_count: counts[experts] as
+// above (each id checked); returns the routed pair count P. route_fill: pos, token and expert [P]
+// (any may be null) and pair_rows [BS * K] as above.
+const int32_t* checked_ids(const at::Tensor& expert_ids, int64_t active, int64_t experts);
+int64_t route_count(const int32_t* id, int64_t topk, int64_t active, int64_t experts, int64_t* counts);
+void route_fill(const int32_t* id, int64_t batch, int64_t topk, int64_t active, int64_t experts,
+                const int64_t* counts, int64_t* pos, int64_t* token, int64_t* expert, int64_t* pair_rows);
+
 }  // namespace cam_jit_cpu

@@ -18,43 +18,13 @@
 namespace cam_jit_cpu {
 namespace {
 
-// docs/semantics.md §1.8 step 1 for `n` output rows. Output row i quantises x[x_index[i]] (or x[i]),
-// multiplied element-wise by smooth_scales[smooth_index[i]] (or smooth_scales[i]) when given.
-std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x,
-                                                 const c10::optional<at::Tensor>& smooth_scales,
-                                                 const c10::optional<at::Tensor>& x_index,
-                                                 const c10::optional<at::Tensor>& smooth_index) {
-  check_cpu(x, "x");
-  TORCH_CHECK(x.dim() == 2, "_cam_jit_cpu::quantize_rows: x must be 2-D, got ", x.sizes());
-  const int64_t hidden = x.size(1);
-  const at::Tensor xc = x.contiguous();
-  at::Tensor xi, sm, si;
-  if (x_index.has_value()) {
-    xi = x_index->to(at::kLong).contiguous();
-  }
-  if (smooth_scales.has_value()) {
-    sm = smooth_scales->contiguous();
-    TORCH_CHECK(sm.scalar_type() == at::kFloat && sm.dim() == 2 && sm.size(1) == hidden,
-                "_cam_jit_cpu::quantize_rows: smooth_scales must be float32 [*, ", hidden, "]");
-    if (smooth_index.has_value()) {
-      si = smooth_index->to(at::kLong).contiguous();
-    }
-  }
-  const int64_t rows = xi.defined() ? xi.numel() : xc.size(0);
-  TORCH_CHECK(!si.defined() || si.numel() == rows, "_cam_jit_cpu::quantize_rows: smooth_index length");
-  TORCH_CHECK(!sm.defined() || si.defined() || sm.size(0) == rows,
-              "_cam_jit_cpu::quantize_rows: smooth_scales rows must match the output rows");
-
-  at::Tensor q = at::empty({rows, hidden}, xc.options().dtype(at::kChar));
-  at::Tensor scale = at::empty({rows}, xc.options().dtype(at::kFloat));
-  int8_t* q_ptr = q.data_ptr<int8_t>();
-  float* scale_ptr = scale.data_ptr<float>();
-  const int64_t* xi_ptr = xi.defined() ? xi.data_ptr<int64_t>() : nullptr;
-  const int64_t* si_ptr = si.defined() ? si.data_ptr<int64_t>() : nullptr;
-  const float* sm_ptr = sm.defined() ? sm.data_ptr<float>() : nullptr;
+// docs/semantics.md §1.8 step 1 for `rows` output rows into q [rows, H] int8 and scale [rows]: output
+// row i quantises xc[xi[i]] (or xc[i]; xc contiguous), multiplied element-wise by smooth row
+// sm[si[i]] (or sm[i]) of sm_rows when sm is given.
+void quantize_into(const at::Tensor& xc, int64_t rows, const int64_t* xi_ptr, const float* sm_ptr,
+                   const int64_t* si_ptr, int64_t sm_rows, int8_t* q_ptr, float* scale_ptr) {
+  const int64_t hidden = xc.size(1);
   const int64_t x_rows = xc.size(0);
-  const int64_t sm_rows = sm.defined() ? sm.size(0) : 0;
-
   const bool vec = vector_kernel() == VectorKernel::kAvx512;
   AT_DISPATCH_REDUCED_FLOATING_TYPES(xc.scalar_type(), "quantize_rows", [&] {
     constexpr bool bf16 = std::is_same_v<scalar_t, c10::BFloat16>;
@@ -111,6 +81,40 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x,
       }
     });
   });
+}
+
+// docs/semantics.md §1.8 step 1 for `n` output rows. Output row i quantises x[x_index[i]] (or x[i]),
+// multiplied element-wise by smooth_scales[smooth_index[i]] (or smooth_scales[i]) when given.
+std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x,
+                                                 const c10::optional<at::Tensor>& smooth_scales,
+                                                 const c10::optional<at::Tensor>& x_index,
+                                                 const c10::optional<at::Tensor>& smooth_index) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2, "_cam_jit_cpu::quantize_rows: x must be 2-D, got ", x.sizes());
+  const int64_t hidden = x.size(1);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor xi, sm, si;
+  if (x_index.has_value()) {
+    xi = x_index->to(at::kLong).contiguous();
+  }
+  if (smooth_scales.has_value()) {
+    sm = smooth_scales->contiguous();
+    TORCH_CHECK(sm.scalar_type() == at::kFloat && sm.dim() == 2 && sm.size(1) == hidden,
+                "_cam_jit_cpu::quantize_rows: smooth_scales must be float32 [*, ", hidden, "]");
+    if (smooth_index.has_value()) {
+      si = smooth_index->to(at::kLong).contiguous();
+    }
+  }
+  const int64_t rows = xi.defined() ? xi.numel() : xc.size(0);
+  TORCH_CHECK(!si.defined() || si.numel() == rows, "_cam_jit_cpu::quantize_rows: smooth_index length");
+  TORCH_CHECK(!sm.defined() || si.defined() || sm.size(0) == rows,
+              "_cam_jit_cpu::quantize_rows: smooth_scales rows must match the output rows");
+
+  at::Tensor q = at::empty({rows, hidden}, xc.options().dtype(at::kChar));
+  at::Tensor scale = at::empty({rows}, xc.options().dtype(at::kFloat));
+  quantize_into(xc, rows, xi.defined() ? xi.data_ptr<int64_t>() : nullptr, sm.defined() ? sm.data_ptr<float>() : nullptr,
+                si.defined() ? si.data_ptr<int64_t>() : nullptr, sm.defined() ? sm.size(0) : 0, q.data_ptr<int8_t>(),
+                scale.data_ptr<float>());
   return {q, scale};
 }
 
@@ -164,6 +168,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 
 // docs/semantics.md §1.8 step 5. y holds one expert result per routed pair; pair_rows[t, k] is the row of
 // y for pair (t, k), or -1 for a skipped pair. Rows t >= active_count are zero.
+at::Tensor combine_into(const at::Tensor& yc, const int64_t* pr_ptr, const float* w_ptr, int64_t batch, int64_t topk,
+                        int64_t active_count);
+
 at::Tensor combine(const at::Tensor& y, const at::Tensor& pair_rows, const at::Tensor& weights,
                    int64_t active_count) {
   check_cpu(y, "y");
@@ -174,18 +181,21 @@ at::Tensor combine(const at::Tensor& y, const at::Tensor& pair_rows, const at::T
   TORCH_CHECK(weights.scalar_type() == at::kFloat, "_cam_jit_cpu::combine: weights must be float32");
   const int64_t batch = pair_rows.size(0);
   const int64_t topk = pair_rows.size(1);
-  const int64_t hidden = y.size(1);
-  const int64_t y_rows = y.size(0);
   TORCH_CHECK(active_count >= 0 && active_count <= batch, "_cam_jit_cpu::combine: active_count ",
               active_count, " outside [0, ", batch, "]");
-  const at::Tensor yc = y.contiguous();
   const at::Tensor pr = pair_rows.to(at::kLong).contiguous();
-  const at::Tensor wc = weights.contiguous();
+  return combine_into(y.contiguous(), pr.data_ptr<int64_t>(), weights.contiguous().data_ptr<float>(), batch, topk,
+                      active_count);
+}
+
+// combine's step 5 on yc (contiguous [y_rows, H]) with pair_rows and weights [batch, topk] int64 / float32
+// of the caller's (checked but the rows).
+at::Tensor combine_into(const at::Tensor& yc, const int64_t* pr_ptr, const float* w_ptr, int64_t batch, int64_t topk,
+                        int64_t active_count) {
+  const int64_t hidden = yc.size(1);
+  const int64_t y_rows = yc.size(0);
   at::Tensor out = at::empty({batch, hidden}, yc.options());
   if (active_count < batch) out.narrow(0, active_count, batch - active_count).zero_();  // inactive rows
-  const int64_t* pr_ptr = pr.data_ptr<int64_t>();
-  const float* w_ptr = wc.data_ptr<float>();
-
   const bool vec = vector_kernel() == VectorKernel::kAvx512;
   AT_DISPATCH_REDUCED_FLOATING_TYPES(yc.scalar_type(), "combine", [&] {
     constexpr bool bf16 = std::is_same_v<scalar_t, c10::BFloat16>;
@@ -230,26 +240,66 @@ at::Tensor combine(const at::Tensor& y, const at::Tensor& pair_rows, const at::T
   return out;
 }
 
-// fused_deep_moe on one rank (docs/semantics.md §1.8; §1.9 for int32 W4A8 weights): quantize_routed,
-// the expert FFN (expert_ffn_w8a8 / _w4a8 on the pairs' rows grouped by expert, read from the token
-// rows where each token was quantised once) and combine, in one call. Weight containers as the
-// expert FFN takes them (b1, b2: W4A8 biases, empty under W8A8). Returns (output [BS, H] x.dtype,
-// share_output: zeros [BS, H] x.dtype with zero_share (the op's share_output without a shared
-// expert), else [0, H], expert_token_nums [experts] int64).
+// fused_deep_moe on one rank (docs/semantics.md §1.8; §1.9 for int32 W4A8 weights) in one call:
+// routing, quantisation (each active token once, the pairs reading their token's row; with smooth
+// scales a row per pair), the expert FFN on the pairs' rows grouped by expert, and combine. Weight
+// containers as the expert FFN takes them (b1, b2: W4A8 biases, empty under W8A8). Returns (output
+// [BS, H] x.dtype, share_output: zeros [BS, H] x.dtype with zero_share (the op's share_output
+// without a shared expert), else [0, H], expert_token_nums [experts] int64).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_one_rank(
     const at::Tensor& x, const at::Tensor& expert_ids, int64_t active, int64_t experts,
     const c10::optional<at::Tensor>& smooth_scales, const at::Tensor& expert_scales, at::TensorList w1,
     at::TensorList s1, at::TensorList b1, at::TensorList w2, at::TensorList s2, at::TensorList b2, bool zero_share) {
   TORCH_CHECK(!w1.empty(), "_cam_jit_cpu::moe_one_rank: w1 must hold at least one tensor");
-  const RoutedRows r = quantize_routed(x, expert_ids, active, experts, smooth_scales);
-  const c10::IntArrayRef group_sizes(r.counts.data_ptr<int64_t>(), r.counts.numel());
-  const c10::optional<at::Tensor> rows = r.per_pair ? c10::nullopt : c10::optional<at::Tensor>(r.token);
-  const at::Tensor y = w1[0].scalar_type() == at::kInt
-                           ? expert_ffn_w4a8(r.q, r.scale, group_sizes, w1, s1, b1, w2, s2, b2, x.scalar_type(), rows)
-                           : expert_ffn_w8a8(r.q, r.scale, group_sizes, w1, s1, w2, s2, x.scalar_type(), rows);
-  at::Tensor share = at::empty({zero_share ? x.size(0) : 0, x.size(1)}, x.options());
-  if (zero_share) std::memset(share.data_ptr(), 0, share.nbytes());
-  return {combine(y, r.pair_rows, expert_scales, active), share, r.counts};
+  const auto share_output = [&] {
+    at::Tensor share = at::empty({zero_share ? x.size(0) : 0, x.size(1)}, x.options());
+    if (zero_share) std::memset(share.data_ptr(), 0, share.nbytes());
+    return share;
+  };
+  if (smooth_scales.has_value()) {  // a row per pair, each quantised with its expert's smooth scales
+    const RoutedRows r = quantize_routed(x, expert_ids, active, experts, smooth_scales);
+    const c10::IntArrayRef group_sizes(r.counts.data_ptr<int64_t>(), r.counts.numel());
+    const at::Tensor y = expert_ffn_grouped(
+        GroupedRows{r.q.data_ptr<int8_t>(), nullptr, r.scale.data_ptr<float>(), x.size(1), r.q.size(0)}, group_sizes,
+        w1, s1, b1, w2, s2, b2, x.scalar_type());
+    return {combine(y, r.pair_rows, expert_scales, active), share_output(), r.counts};
+  }
+  // Each active token quantised once, the pairs reading their token's row; the routing and the
+  // rows in memory this thread keeps across calls.
+  const at::Tensor ids = expert_ids.contiguous();
+  const int32_t* id = checked_ids(ids, active, experts);
+  const int64_t batch = ids.size(0), topk = ids.size(1);
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == batch, "_cam_jit_cpu::moe_one_rank: x must be [", batch,
+              ", H] (the rows of expert_ids), got ", x.sizes());
+  check_cpu(expert_scales, "expert_scales");
+  TORCH_CHECK(expert_scales.scalar_type() == at::kFloat && expert_scales.sizes() == ids.sizes(),
+              "_cam_jit_cpu::moe_one_rank: expert_scales must be float32 ", ids.sizes(), ", got ",
+              expert_scales.scalar_type(), " ", expert_scales.sizes());
+  const int64_t hidden = x.size(1);
+  at::Tensor counts = at::empty({experts}, ids.options().dtype(at::kLong));
+  const int64_t pairs = route_count(id, topk, active, experts, counts.data_ptr<int64_t>());
+  const auto aligned = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
+  const int64_t rows_at = aligned(pairs * 8), pair_scale_at = rows_at + aligned(batch * topk * 8),
+                q_at = pair_scale_at + aligned(pairs * 4), scale_at = q_at + aligned(active * hidden);
+  thread_local KeptBuffer routed;
+  char* const memory = routed.get<char>(scale_at + active * 4);
+  int64_t* token = reinterpret_cast<int64_t*>(memory);
+  int64_t* pair_rows = reinterpret_cast<int64_t*>(memory + rows_at);
+  float* pair_scale = reinterpret_cast<float*>(memory + pair_scale_at);
+  int8_t* q = reinterpret_cast<int8_t*>(memory + q_at);
+  float* token_scale = reinterpret_cast<float*>(memory + scale_at);
+  route_fill(id, batch, topk, active, experts, counts.data_ptr<int64_t>(), nullptr, token, nullptr, pair_rows);
+  const at::Tensor xc = x.contiguous();
+  quantize_into(xc, active, nullptr, nullptr, nullptr, 0, q, token_scale);
+  for (int64_t i = 0; i < pairs; ++i) pair_scale[i] = token_scale[token[i]];
+  const at::Tensor y =
+      expert_ffn_grouped(GroupedRows{q, token, pair_scale, hidden, pairs},
+                         c10::IntArrayRef(counts.data_ptr<int64_t>(), experts), w1, s1, b1, w2, s2, b2, x.scalar_type());
+  const at::Tensor weights = expert_scales.contiguous();
+  const at::Tensor output = combine_into(y, pair_rows, weights.data_ptr<float>(), batch, topk, active);
+  routed.trim();
+  return {output, share_output(), counts};
 }
 
 }  // namespace
