@@ -38,6 +38,11 @@ CASES = {
                           "1, 1, None, torch.ones(1, 1), [], [], [], [], [], [], True)",
     "route_and_quantize-smooth": "cpu.route_and_quantize(torch.zeros(1, 8, dtype=torch.bfloat16), "
                                  "torch.tensor([[3]], dtype=torch.int32), 1, 4, torch.ones(2, 8))",
+    # x with fewer rows than expert_ids, and combine weights of another shape than expert_ids
+    "moe_one_rank-x-rows": "cpu.moe_one_rank(torch.zeros(1, 8, dtype=torch.bfloat16), torch.tensor([[0], [0]], dtype=torch.int32), "
+                           "2, 1, None, torch.ones(2, 1), [w1], [s1], [], [w2], [s2], [], True)",
+    "moe_one_rank-weights": "cpu.moe_one_rank(torch.zeros(2, 8, dtype=torch.bfloat16), torch.tensor([[0], [0]], dtype=torch.int32), "
+                            "2, 1, None, torch.ones(1, 1), [w1], [s1], [], [w2], [s2], [], True)",
     "exp_direct-dtype": "cpu.exp_direct(torch.zeros(4, dtype=torch.float64))",
     "zb-region": "zb.region(4096, [16], torch.int64)",
     "zb-put_rows": "zb.put_rows([4096], q, a, torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64), [4], 1, 32, 1)",
