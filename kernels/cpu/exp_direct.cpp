@@ -4,7 +4,6 @@
 
 #include <ATen/ops/exp.h>
 #include <ATen/ops/from_blob.h>
-#include <torch/library.h>
 
 #include <dlfcn.h>
 
@@ -84,9 +83,6 @@ void exp_direct(float* v, int64_t n) {
   if (n > 0) vms_exp()(n, v, v, kVmlMode);
 }
 
-namespace {
-
-// exp of a float32 tensor through exp_direct (for tests).
 at::Tensor exp_direct_op(const at::Tensor& x) {
   TORCH_CHECK(exp_direct_available(), "_cam_jit_cpu::exp_direct: not available on this build");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.numel() < (int64_t{1} << 31),
@@ -97,14 +93,4 @@ at::Tensor exp_direct_op(const at::Tensor& x) {
   return out;
 }
 
-}  // namespace
 }  // namespace cam_jit_cpu
-
-TORCH_LIBRARY_FRAGMENT(_cam_jit_cpu, m) {
-  m.def("exp_direct_available() -> bool", &cam_jit_cpu::exp_direct_available);
-  m.def("exp_direct(Tensor x) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(_cam_jit_cpu, CPU, m) {
-  m.impl("exp_direct", &cam_jit_cpu::exp_direct_op);
-}

@@ -7,6 +7,8 @@
 // bytes directly. Every sum is an exact int32 (wrap-around arithmetic, results within int32).
 #include "int8_gemm.h"
 
+#include "exp_direct.h"
+
 #include "moe_common.h"
 
 #include <ATen/Parallel.h>
@@ -879,9 +881,11 @@ TORCH_LIBRARY_FRAGMENT(_cam_jit_cpu, m) {
   m.def("prepack_weight(Tensor w, bool int4) -> int");
   m.def("int8_matmul(Tensor q, Tensor w, bool int4, str kernel) -> Tensor");
   m.def("prepack_cache_bytes(bool clear) -> int", &cam_jit_cpu::prepack_cache_bytes);
+  m.def("exp_direct(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(_cam_jit_cpu, CPU, m) {
   m.impl("prepack_weight", &cam_jit_cpu::prepack_weight);
   m.impl("int8_matmul", &cam_jit_cpu::int8_matmul);
+  m.impl("exp_direct", &cam_jit_cpu::exp_direct_op);
 }
