@@ -35,11 +35,13 @@ std::vector<float> probe_values() {
     std::memcpy(&f, &b, sizeof f);
     v.push_back(f);
   }
-  for (int i = -104 * 64; i <= 89 * 64; ++i) v.push_back(static_cast<float>(i) / 64.f + 1e-3f * static_cast<float>(i % 7));
-  const float lim = std::numeric_limits<float>::infinity();
-  for (float f : {0.f, -0.f, lim, -lim, std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::denorm_min(),
-                  -std::numeric_limits<float>::denorm_min(), std::numeric_limits<float>::min(), 88.72283f, 88.72284f,
-                  88.7229f, -87.33654f, -87.33655f, -103.97208f, -103.9721f, -104.f, 1e-8f, -1e-8f}) {
+  for (int i = -104 * 64; i <= 89 * 64; ++i) {
+    v.push_back(static_cast<float>(i) / 64.f + 1e-3f * static_cast<float>(i % 7));
+  }
+  using limits = std::numeric_limits<float>;
+  for (float f : {0.f, -0.f, limits::infinity(), -limits::infinity(), limits::quiet_NaN(), limits::denorm_min(),
+                  -limits::denorm_min(), limits::min(), 88.72283f, 88.72284f, 88.7229f, -87.33654f, -87.33655f,
+                  -103.97208f, -103.9721f, -104.f, 1e-8f, -1e-8f}) {
     v.push_back(f);
   }
   return v;

@@ -16,11 +16,11 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/exp.h>
 #include <ATen/ops/from_blob.h>
-#include <ATen/ops/index_select.h>
 
 #include <algorithm>
 #include <atomic>
 #include <bit>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -591,7 +591,8 @@ at::Tensor ffn_on_rows(const char* name, const GroupedRows& grouped_rows, c10::I
       packed_experts.push_back(PackedExpert{start, rows, inter, kernel, ex, nullptr, nullptr, {}, {}, 0, 0});
     } else {
       at::Tensor qe = at::empty({rows, hidden}, at::TensorOptions().dtype(at::kChar));
-      for (int64_t r = 0; r < rows; ++r) std::memcpy(qe.data_ptr<int8_t>() + r * hidden, grouped_rows.row(start + r), hidden);
+      int8_t* qe_rows = qe.data_ptr<int8_t>();
+      for (int64_t r = 0; r < rows; ++r) std::memcpy(qe_rows + r * hidden, grouped_rows.row(start + r), hidden);
       AT_DISPATCH_REDUCED_FLOATING_TYPES(out_dtype, "expert_ffn", [&] {
         expert_alone<scalar_t>(qe, grouped_rows.scale + start, ex, inter, y.data_ptr<scalar_t>() + start * hidden);
       });

@@ -112,9 +112,9 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x,
 
   at::Tensor q = at::empty({rows, hidden}, xc.options().dtype(at::kChar));
   at::Tensor scale = at::empty({rows}, xc.options().dtype(at::kFloat));
-  quantize_into(xc, rows, xi.defined() ? xi.data_ptr<int64_t>() : nullptr, sm.defined() ? sm.data_ptr<float>() : nullptr,
-                si.defined() ? si.data_ptr<int64_t>() : nullptr, sm.defined() ? sm.size(0) : 0, q.data_ptr<int8_t>(),
-                scale.data_ptr<float>());
+  quantize_into(xc, rows, xi.defined() ? xi.data_ptr<int64_t>() : nullptr,
+                sm.defined() ? sm.data_ptr<float>() : nullptr, si.defined() ? si.data_ptr<int64_t>() : nullptr,
+                sm.defined() ? sm.size(0) : 0, q.data_ptr<int8_t>(), scale.data_ptr<float>());
   return {q, scale};
 }
 
@@ -293,9 +293,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_one_rank(
   const at::Tensor xc = x.contiguous();
   quantize_into(xc, active, nullptr, nullptr, nullptr, 0, q, token_scale);
   for (int64_t i = 0; i < pairs; ++i) pair_scale[i] = token_scale[token[i]];
-  const at::Tensor y =
-      expert_ffn_grouped(GroupedRows{q, token, pair_scale, hidden, pairs},
-                         c10::IntArrayRef(counts.data_ptr<int64_t>(), experts), w1, s1, b1, w2, s2, b2, x.scalar_type());
+  const c10::IntArrayRef group_sizes(counts.data_ptr<int64_t>(), experts);
+  const at::Tensor y = expert_ffn_grouped(GroupedRows{q, token, pair_scale, hidden, pairs}, group_sizes, w1, s1, b1,
+                                          w2, s2, b2, x.scalar_type());
   const at::Tensor weights = expert_scales.contiguous();
   const at::Tensor output = combine_into(y, pair_rows, weights.data_ptr<float>(), batch, topk, active);
   routed.trim();
