@@ -469,7 +469,6 @@ void experts_packed(std::vector<PackedExpert>& experts, const GroupedRows& rows,
   // The stage buffer of this call, kept by the calling thread (about 4 MiB for a batch of
   // kBatchBytes): d [rows, 2I] and -d of the gate half [rows, I] of every expert, the row scales
   // b of GEMM2, then the experts' packed activation rows of both GEMMs (64-byte aligned each).
-  const auto aligned = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
   int64_t d_size = 0, gate_size = 0;
   for (PackedExpert& ve : experts) {
     ve.d_at = d_size;
@@ -479,8 +478,8 @@ void experts_packed(std::vector<PackedExpert>& experts, const GroupedRows& rows,
     ve.w1 = ve.ex.w1.packed(ve.ex.int4);
     ve.w2 = ve.ex.w2.packed(ve.ex.int4);
   }
-  const int64_t gate_at = aligned(d_size * 4), b_at = gate_at + aligned(gate_size * 4);
-  int64_t stage_bytes = b_at + aligned(rows.count * 4);
+  const int64_t gate_at = round_up(d_size * 4, 64), b_at = gate_at + round_up(gate_size * 4, 64);
+  int64_t stage_bytes = b_at + round_up(rows.count * 4, 64);
   for (const PackedExpert& ve : experts) {
     stage_bytes += packed_rows_bytes(*ve.w1, ve.rows, ve.kernel) + packed_rows_bytes(*ve.w2, ve.rows, ve.kernel);
   }
@@ -489,7 +488,7 @@ void experts_packed(std::vector<PackedExpert>& experts, const GroupedRows& rows,
   float* d_ptr = reinterpret_cast<float*>(stage_ptr);
   float* ng_ptr = reinterpret_cast<float*>(stage_ptr + gate_at);
   float* b = reinterpret_cast<float*>(stage_ptr + b_at);
-  char* rows_ptr = stage_ptr + b_at + aligned(rows.count * 4);
+  char* rows_ptr = stage_ptr + b_at + round_up(rows.count * 4, 64);
   for (PackedExpert& ve : experts) {
     ve.rows1 = packed_rows(*ve.w1, ve.rows, ve.kernel, rows_ptr);
     rows_ptr += packed_rows_bytes(*ve.w1, ve.rows, ve.kernel);
@@ -562,6 +561,8 @@ void experts_packed(std::vector<PackedExpert>& experts, const GroupedRows& rows,
 template <typename Load>
 at::Tensor ffn_on_rows(const char* name, const GroupedRows& grouped_rows, c10::IntArrayRef group_sizes,
                        at::ScalarType out_dtype, const Load& load) {
+  TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kHalf,
+              "_cam_jit_cpu::", name, ": out_dtype must be bfloat16 or float16");
   const int64_t hidden = grouped_rows.hidden;
   int64_t grouped = 0;
   for (const int64_t n : group_sizes) {
@@ -630,8 +631,6 @@ at::Tensor expert_ffn(const char* name, const at::Tensor& q, const at::Tensor& q
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "_cam_jit_cpu::", name, ": q must be int8 2-D");
   TORCH_CHECK(q_scale.scalar_type() == at::kFloat && q_scale.numel() == q.size(0),
               "_cam_jit_cpu::", name, ": q_scale must be float32 [", q.size(0), "]");
-  TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kHalf,
-              "_cam_jit_cpu::", name, ": out_dtype must be bfloat16 or float16");
   const at::Tensor qc = q.contiguous();
   const at::Tensor ac = q_scale.contiguous();
   at::Tensor index;

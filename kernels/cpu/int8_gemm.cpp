@@ -46,7 +46,6 @@ constexpr int kVnniNr = kVnniGroupColumns / kBlockN;  // 16-column blocks per VN
 constexpr int kVnniMrI8 = 6;  // 24 accumulators
 constexpr int kVnniMrI4 = 2;  // 16 accumulators + 8 unpacked weight vectors
 
-int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
 // ---------------------------------------------------------------------------------------------
 // What this CPU and OS can run.
@@ -750,11 +749,9 @@ void amx_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_t
   if (!w.int4) {
     amx_i8_blocks(rows.a, mp, panels, w.kp, b0, b1, end, acc, ld);
   } else {
-    thread_local std::vector<uint8_t> raw;
-    raw.resize(2 * w.kp * kBlockN + 64);
-    uint8_t* scratch = reinterpret_cast<uint8_t*>(round_up(reinterpret_cast<intptr_t>(raw.data()), 64));
-    amx_i4_blocks(rows.a, rows.b, mp, panels, w.kp, b0, b1, end, acc, lo_acc,
-                  ld, scratch);
+    thread_local KeptBuffer unpacked;  // a pair of int4 panels widened to int8
+    amx_i4_blocks(rows.a, rows.b, mp, panels, w.kp, b0, b1, end, acc, lo_acc, ld,
+                  unpacked.get<uint8_t>(2 * w.kp * kBlockN));
   }
   amx_release();
 #else

@@ -66,6 +66,9 @@ inline void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), "_cam_jit_cpu: ", name, " must be a CPU tensor, got ", t.device());
 }
 
+// v rounded up to a multiple of m (v >= 0, m > 0).
+inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
 // Scratch memory kept by its (thread_local) owner across calls and grown on demand: fresh memory of
 // some size costs a page fault per 4 KiB on every call, and malloc / free pairs per call add up at
 // decode sizes. Not zeroed. Buffers grown past kKeptBytes (a large prefill batch) are given back
@@ -73,10 +76,10 @@ inline void check_cpu(const at::Tensor& t, const char* name) {
 class KeptBuffer {
  public:
   static constexpr size_t kKeptBytes = size_t{8} << 20;
-  // At least `bytes`, 64-byte aligned, valid until the next get() or trim().
+  // Room for `count` values of T, 64-byte aligned, valid until the next get() or trim().
   template <typename T>
   T* get(size_t count) {
-    const size_t bytes = (count * sizeof(T) + 63) / 64 * 64;
+    const size_t bytes = static_cast<size_t>(round_up(static_cast<int64_t>(count * sizeof(T)), 64));
     if (bytes > bytes_) {
       memory_.reset(static_cast<char*>(std::aligned_alloc(64, bytes)));
       TORCH_CHECK(memory_ != nullptr, "cam_jit: out of memory for ", bytes, " bytes of scratch");

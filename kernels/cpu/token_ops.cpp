@@ -118,42 +118,28 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x,
   return {q, scale};
 }
 
-// route_pairs and the quantised rows (docs/semantics.md §1.8 step 1): with smooth_scales [E, H] one
-// row per routed pair in route order, pair (t, k) quantising x[t] * smooth_scales[expert]
-// (per_pair); without, one row per active token, each token quantised once (pair i's row is then
-// row token[i]).
-struct RoutedRows {
-  at::Tensor pos, token, expert, counts, pair_rows, q, scale;
-  bool per_pair = false;
-};
-
-RoutedRows quantize_routed(const at::Tensor& x, const at::Tensor& expert_ids, int64_t active, int64_t experts,
-                           const c10::optional<at::Tensor>& smooth_scales) {
-  RoutedRows out;
-  std::tie(out.pos, out.token, out.expert, out.counts, out.pair_rows) = route_pairs(expert_ids, active, experts);
-  check_cpu(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == expert_ids.size(0), "_cam_jit_cpu::route_and_quantize: x must be [",
-              expert_ids.size(0), ", H] (the rows of expert_ids), got ", x.sizes());
-  out.per_pair = smooth_scales.has_value();
-  std::tie(out.q, out.scale) = out.per_pair ? quantize_rows(x, smooth_scales, out.token, out.expert)
-                                            : quantize_rows(x.narrow(0, 0, active), c10::nullopt, c10::nullopt,
-                                                            c10::nullopt);
-  return out;
-}
-
 // route_pairs' five tensors, then each routed pair's quantised row q [P, H] int8 and scale [P]
-// float32 in route order (quantize_routed, each token's row copied to each of its pairs).
+// float32 in route order (docs/semantics.md §1.8 step 1): with smooth_scales [E, H] pair (t, k)
+// quantises x[t] * smooth_scales[expert]; without, each active token is quantised once and its row
+// copied to each of its pairs.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> route_and_quantize(
     const at::Tensor& x, const at::Tensor& expert_ids, int64_t active, int64_t experts,
     const c10::optional<at::Tensor>& smooth_scales) {
-  RoutedRows r = quantize_routed(x, expert_ids, active, experts, smooth_scales);
-  if (r.per_pair) return {r.pos, r.token, r.expert, r.counts, r.pair_rows, r.q, r.scale};
-  const int64_t pairs = r.token.numel(), hidden = x.size(1);
-  at::Tensor q = at::empty({pairs, hidden}, r.q.options());
-  at::Tensor scale = at::empty({pairs}, r.scale.options());
-  const int64_t* t = r.token.data_ptr<int64_t>();
-  const int8_t* q_from = r.q.data_ptr<int8_t>();
-  const float* scale_from = r.scale.data_ptr<float>();
+  auto [pos, token, expert, counts, pair_rows] = route_pairs(expert_ids, active, experts);
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == expert_ids.size(0), "_cam_jit_cpu::route_and_quantize: x must be [",
+              expert_ids.size(0), ", H] (the rows of expert_ids), got ", x.sizes());
+  if (smooth_scales.has_value()) {
+    auto [q, scale] = quantize_rows(x, smooth_scales, token, expert);
+    return {pos, token, expert, counts, pair_rows, q, scale};
+  }
+  auto [q_token, scale_token] = quantize_rows(x.narrow(0, 0, active), c10::nullopt, c10::nullopt, c10::nullopt);
+  const int64_t pairs = token.numel(), hidden = x.size(1);
+  at::Tensor q = at::empty({pairs, hidden}, q_token.options());
+  at::Tensor scale = at::empty({pairs}, scale_token.options());
+  const int64_t* t = token.data_ptr<int64_t>();
+  const int8_t* q_from = q_token.data_ptr<int8_t>();
+  const float* scale_from = scale_token.data_ptr<float>();
   int8_t* q_to = q.data_ptr<int8_t>();
   float* scale_to = scale.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(hidden, 1));
@@ -163,7 +149,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
       scale_to[i] = scale_from[t[i]];
     }
   });
-  return {r.pos, r.token, r.expert, r.counts, r.pair_rows, q, scale};
+  return {pos, token, expert, counts, pair_rows, q, scale};
 }
 
 // docs/semantics.md §1.8 step 5. y holds one expert result per routed pair; pair_rows[t, k] is the row of
@@ -251,21 +237,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_one_rank(
     const c10::optional<at::Tensor>& smooth_scales, const at::Tensor& expert_scales, at::TensorList w1,
     at::TensorList s1, at::TensorList b1, at::TensorList w2, at::TensorList s2, at::TensorList b2, bool zero_share) {
   TORCH_CHECK(!w1.empty(), "_cam_jit_cpu::moe_one_rank: w1 must hold at least one tensor");
-  const auto share_output = [&] {
-    at::Tensor share = at::empty({zero_share ? x.size(0) : 0, x.size(1)}, x.options());
-    if (zero_share) std::memset(share.data_ptr(), 0, share.nbytes());
-    return share;
-  };
-  if (smooth_scales.has_value()) {  // a row per pair, each quantised with its expert's smooth scales
-    const RoutedRows r = quantize_routed(x, expert_ids, active, experts, smooth_scales);
-    const c10::IntArrayRef group_sizes(r.counts.data_ptr<int64_t>(), r.counts.numel());
-    const at::Tensor y = expert_ffn_grouped(
-        GroupedRows{r.q.data_ptr<int8_t>(), nullptr, r.scale.data_ptr<float>(), x.size(1), r.q.size(0)}, group_sizes,
-        w1, s1, b1, w2, s2, b2, x.scalar_type());
-    return {combine(y, r.pair_rows, expert_scales, active), share_output(), r.counts};
-  }
-  // Each active token quantised once, the pairs reading their token's row; the routing and the
-  // rows in memory this thread keeps across calls.
   const at::Tensor ids = expert_ids.contiguous();
   const int32_t* id = checked_ids(ids, active, experts);
   const int64_t batch = ids.size(0), topk = ids.size(1);
@@ -277,29 +248,49 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_one_rank(
               "_cam_jit_cpu::moe_one_rank: expert_scales must be float32 ", ids.sizes(), ", got ",
               expert_scales.scalar_type(), " ", expert_scales.sizes());
   const int64_t hidden = x.size(1);
+  at::Tensor smooth;
+  if (smooth_scales.has_value()) {
+    smooth = smooth_scales->contiguous();
+    check_cpu(smooth, "smooth_scales");
+    TORCH_CHECK(smooth.scalar_type() == at::kFloat && smooth.dim() == 2 && smooth.size(1) == hidden,
+                "_cam_jit_cpu::moe_one_rank: smooth_scales must be float32 [*, ", hidden, "], got ",
+                smooth.scalar_type(), " ", smooth.sizes());
+  }
+  // The routing and the quantised rows, in memory this thread keeps across calls: with smooth
+  // scales a row per pair (its token's row times its expert's scales), else each active token
+  // quantised once and the pairs reading their token's row.
+  const bool per_pair = smooth.defined();
   at::Tensor counts = at::empty({experts}, ids.options().dtype(at::kLong));
   const int64_t pairs = route_count(id, topk, active, experts, counts.data_ptr<int64_t>());
-  const auto aligned = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
-  const int64_t rows_at = aligned(pairs * 8), pair_scale_at = rows_at + aligned(batch * topk * 8),
-                q_at = pair_scale_at + aligned(pairs * 4), scale_at = q_at + aligned(active * hidden);
+  const int64_t q_rows = per_pair ? pairs : active;
+  const int64_t expert_at = round_up(pairs * 8, 64), rows_at = expert_at + round_up(pairs * 8, 64),
+                pair_scale_at = rows_at + round_up(batch * topk * 8, 64),
+                q_at = pair_scale_at + round_up(pairs * 4, 64), scale_at = q_at + round_up(q_rows * hidden, 64);
   thread_local KeptBuffer routed;
   char* const memory = routed.get<char>(scale_at + active * 4);
   int64_t* token = reinterpret_cast<int64_t*>(memory);
+  int64_t* expert = reinterpret_cast<int64_t*>(memory + expert_at);
   int64_t* pair_rows = reinterpret_cast<int64_t*>(memory + rows_at);
   float* pair_scale = reinterpret_cast<float*>(memory + pair_scale_at);
   int8_t* q = reinterpret_cast<int8_t*>(memory + q_at);
   float* token_scale = reinterpret_cast<float*>(memory + scale_at);
-  route_fill(id, batch, topk, active, experts, counts.data_ptr<int64_t>(), nullptr, token, nullptr, pair_rows);
+  route_fill(id, batch, topk, active, experts, counts.data_ptr<int64_t>(), nullptr, token, expert, pair_rows);
   const at::Tensor xc = x.contiguous();
-  quantize_into(xc, active, nullptr, nullptr, nullptr, 0, q, token_scale);
-  for (int64_t i = 0; i < pairs; ++i) pair_scale[i] = token_scale[token[i]];
+  if (per_pair) {
+    quantize_into(xc, pairs, token, smooth.data_ptr<float>(), expert, smooth.size(0), q, pair_scale);
+  } else {
+    quantize_into(xc, active, nullptr, nullptr, nullptr, 0, q, token_scale);
+    for (int64_t i = 0; i < pairs; ++i) pair_scale[i] = token_scale[token[i]];
+  }
   const c10::IntArrayRef group_sizes(counts.data_ptr<int64_t>(), experts);
-  const at::Tensor y = expert_ffn_grouped(GroupedRows{q, token, pair_scale, hidden, pairs}, group_sizes, w1, s1, b1,
-                                          w2, s2, b2, x.scalar_type());
+  const at::Tensor y = expert_ffn_grouped(GroupedRows{q, per_pair ? nullptr : token, pair_scale, hidden, pairs},
+                                          group_sizes, w1, s1, b1, w2, s2, b2, x.scalar_type());
   const at::Tensor weights = expert_scales.contiguous();
   const at::Tensor output = combine_into(y, pair_rows, weights.data_ptr<float>(), batch, topk, active);
   routed.trim();
-  return {output, share_output(), counts};
+  at::Tensor share = at::empty({zero_share ? batch : 0, hidden}, x.options());
+  if (zero_share) std::memset(share.data_ptr(), 0, share.nbytes());
+  return {output, share, counts};
 }
 
 }  // namespace
