@@ -119,13 +119,11 @@ def packed_products_call(layers, ids):
     """cam_jit's own exact int8 products (the prepacked kernel the op picks for each row count)
     on the op's rows, or None where this CPU has no prepacked kernel."""
     kernels = torch.ops._cam_jit_cpu
-    available = kernels.kernel_variants()
-    if "gemm:vnni" not in available:
+    if "gemm:vnni" not in kernels.kernel_variants():
         return None
-    amx = "gemm:amx" in available
 
     def matmul(rows, weight):
-        kernels.int8_matmul(rows, weight, False, "amx" if amx and rows.shape[0] >= 16 else "vnni")
+        kernels.int8_matmul(rows, weight, False, "auto")
     return per_expert_products(layers, ids, matmul)
 
 

@@ -1,5 +1,6 @@
 """Every CPU kernel variant the build can select on this machine, forced one at a time: the GEMMs
-(`int_mm` portable, `vnni` AVX512-VNNI and `amx` AMX on prepacked weights) are exact, and the whole
+(`int_mm` portable, `vnni` and `vnni_prefetch` AVX512-VNNI without and with software prefetch, and
+`amx` AMX, on prepacked weights) are exact, and the whole
 fused_deep_moe op is bit-identical across all GEMM x element-wise (`scalar`, `avx512`) variants and
 to the plain-torch reference. Also: the prepack cache follows in-place weight updates, the
 preparation API, and the argument checks of the internal ops."""
@@ -44,12 +45,12 @@ def test_portable_variants_always_exist_and_this_cpu_gets_its_own():
     if platform.machine() == "x86_64" and {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= set(flags):
         assert "avx512" in vectors
         if "avx512_vnni" in flags:
-            assert "vnni" in gemms
+            assert "vnni" in gemms and "vnni_prefetch" in gemms
     if platform.machine() != "x86_64":
         assert gemms == ["int_mm"] and vectors == ["scalar"]
 
 
-PACKED = [g for g in ("vnni", "amx") if g in available("gemm")]
+PACKED = [g for g in ("vnni", "vnni_prefetch", "amx") if g in available("gemm")]
 # Rows on both sides of the AMX tile rows (16) and row pairs (32), K off the 64-k tiles, N ending
 # inside a 16-column block, a block pair and a 64-column group; (1|7, 600, 200): one row and an odd
 # row block (the int4 VNNI kernel's two accumulators per output for one row) over several column
@@ -59,7 +60,7 @@ GEMM_SHAPES = [(1, 64, 16), (3, 72, 80), (15, 1, 17), (16, 200, 48), (17, 64, 1)
 
 
 @pytest.mark.skipif(not PACKED, reason="no packed int8 GEMM on this CPU")
-@pytest.mark.parametrize("kernel", PACKED)
+@pytest.mark.parametrize("kernel", PACKED + ["auto"])
 def test_packed_gemm_is_exact(kernel):
     gen = torch.Generator().manual_seed(11)
     for m, k, n in GEMM_SHAPES:
@@ -255,7 +256,7 @@ def test_internal_ops_check_arguments():
         k.int8_matmul(q.float(), torch.zeros(8, 4, dtype=torch.int8), False, "vnni")
     with pytest.raises(RuntimeError, match=r"w must be a 2-D int8 \[8, \*\]"):
         k.int8_matmul(q, torch.zeros(7, 4, dtype=torch.int8), False, "vnni")
-    with pytest.raises(RuntimeError, match="kernel must be 'vnni' or 'amx'|cannot run on this CPU"):
+    with pytest.raises(RuntimeError, match="kernel must be a packed one .*got 'int_mm'|cannot run on this CPU"):
         k.int8_matmul(q, torch.zeros(8, 4, dtype=torch.int8), False, "int_mm")
     with pytest.raises(RuntimeError, match="prepack_weight: w must be a 2-D int32"):
         k.prepack_weight(torch.zeros(8, 4, dtype=torch.int8), True)

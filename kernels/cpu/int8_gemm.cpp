@@ -54,6 +54,7 @@ struct CpuFeatures {
   bool avx512 = false;  // AVX512 F/BW/VL/DQ with the OS saving zmm state
   bool vnni = false;    // plus AVX512-VNNI
   bool amx = false;     // AMX-TILE and AMX-INT8 with the OS granting tile data to this process
+  bool intel = false;   // CPUID vendor GenuineIntel
 };
 
 #if defined(CAM_JIT_X86)
@@ -73,6 +74,8 @@ bool request_amx_permission() {
 CpuFeatures detect_features() {
   CpuFeatures f;
   unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return f;
+  f.intel = ebx == 0x756e6547 && edx == 0x49656e69 && ecx == 0x6c65746e;  // "Genu" "ineI" "ntel"
   if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !(ecx & (1u << 27))) return f;  // OSXSAVE
   const uint64_t xcr = xcr0();
   const bool zmm_state = (xcr & 0xe6) == 0xe6;  // SSE, AVX, opmask, ZMM_Hi256, Hi16_ZMM
@@ -98,15 +101,19 @@ const CpuFeatures& features() {
 // ---------------------------------------------------------------------------------------------
 // The variant switch: "auto" (the best this CPU runs; AMX from kAmxMinRows rows, VNNI below) or a
 // forced variant. Set from CAM_JIT_CPU_GEMM / CAM_JIT_CPU_VECTOR at load, or select_kernels().
+// Auto's VNNI prefetches in software on Intel CPUs only: measured at one row (weights streaming from
+// memory), it saved a quarter of the product's time on a Xeon (Sapphire Rapids) and cost a sixth on
+// an AMD EPYC, whose hardware prefetcher keeps the four streams of a column group fed alone.
 
 constexpr int64_t kAmxMinRows = 16;
 constexpr int kAuto = -1;
 
-const char* const kGemmNames[] = {"int_mm", "vnni", "amx"};
+const char* const kGemmNames[] = {"int_mm", "vnni", "amx", "vnni_prefetch"};
+constexpr int kGemmCount = 4;
 const char* const kVectorNames[] = {"scalar", "avx512"};
 
 bool gemm_available(int v) {
-  return v == 0 || (v == 1 && features().vnni) || (v == 2 && features().amx);
+  return v == 0 || ((v == 1 || v == 3) && features().vnni) || (v == 2 && features().amx);
 }
 bool vector_available(int v) { return v == 0 || (v == 1 && features().avx512); }
 
@@ -132,7 +139,7 @@ int variant_from_env(const char* env, const char* const* names, int count, bool 
 }
 
 std::atomic<int>& gemm_setting() {
-  static std::atomic<int> s{variant_from_env("CAM_JIT_CPU_GEMM", kGemmNames, 3, gemm_available, "GEMM")};
+  static std::atomic<int> s{variant_from_env("CAM_JIT_CPU_GEMM", kGemmNames, kGemmCount, gemm_available, "GEMM")};
   return s;
 }
 std::atomic<int>& vector_setting() {
@@ -304,7 +311,8 @@ GemmKernel gemm_kernel(int64_t rows) {
   const int s = gemm_setting().load();
   if (s != kAuto) return static_cast<GemmKernel>(s);
   if (features().amx && rows >= kAmxMinRows) return GemmKernel::kAmx;
-  return features().vnni ? GemmKernel::kVnni : GemmKernel::kIntMm;
+  if (!features().vnni) return GemmKernel::kIntMm;
+  return features().intel ? GemmKernel::kVnniPrefetch : GemmKernel::kVnni;
 }
 
 VectorKernel vector_kernel() {
@@ -328,9 +336,9 @@ CAM_JIT_AVX512 inline __m512i dpbusd(__m512i acc, __m512i u8, __m512i s8) {
   return acc;
 }
 
-// Bytes ahead of the current k step that the VNNI kernels prefetch in each panel they stream: at
-// M <= 6 they are bound by memory latency, and the hardware prefetcher alone keeps too few lines in
-// flight over 4 concurrent panels.
+// Bytes ahead of the current k step that kVnniPrefetch prefetches in each panel it streams: at
+// M <= 6 it is bound by memory latency, and on Intel CPUs the hardware prefetcher alone keeps too
+// few lines in flight over 4 concurrent panels.
 constexpr int64_t kPrefetchBytes = 2048;
 
 // Bytes of one packed 16-column panel of w (int4: two weights a byte).
@@ -354,7 +362,7 @@ struct PanelPrefetch {
   }
 };
 
-template <int MR, int NR>
+template <int MR, int NR, bool kAhead>
 CAM_JIT_AVX512 void vnni_i8_block(const uint8_t* a, int64_t lda, PanelPrefetch panels, int64_t k4s,
                                   const int32_t* comp, int32_t* out, int64_t ldo, int64_t ncols) {
   const uint8_t* panel = panels.panel;
@@ -363,7 +371,7 @@ CAM_JIT_AVX512 void vnni_i8_block(const uint8_t* a, int64_t lda, PanelPrefetch p
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_si512();
   for (int64_t k4 = 0; k4 < k4s; ++k4) {
-    panels.ahead(k4 * 64, NR);
+    if constexpr (kAhead) panels.ahead(k4 * 64, NR);
     __m512i w[NR];
     for (int j = 0; j < NR; ++j) {
       w[j] = _mm512_load_si512(panel + j * panel_bytes + k4 * 64);
@@ -389,7 +397,7 @@ CAM_JIT_AVX512 void vnni_i8_block(const uint8_t* a, int64_t lda, PanelPrefetch p
 // 16 columns. A single row (MR == 1, the decode case) keeps two accumulators per output, one per
 // k-group, so that the two vpdpbusd of a k step do not wait on each other; more rows have no
 // registers for that.
-template <int MR, int NR>
+template <int MR, int NR, bool kAhead>
 CAM_JIT_AVX512 void vnni_i4_block(const int8_t* hi, const int8_t* lo, int64_t lda, PanelPrefetch panels, int64_t k8s,
                                   const int32_t* hi_sum8, const int32_t* lo_sum8, int32_t* out_hi, int32_t* out_lo,
                                   int64_t ldo, int64_t ncols) {
@@ -402,7 +410,7 @@ CAM_JIT_AVX512 void vnni_i4_block(const int8_t* hi, const int8_t* lo, int64_t ld
       for (int j = 0; j < NR; ++j) acc_hi[s][i][j] = acc_lo[s][i][j] = _mm512_setzero_si512();
   const __m512i low4 = _mm512_set1_epi8(15);
   for (int64_t k8 = 0; k8 < k8s; ++k8) {
-    panels.ahead(k8 * 64, NR);
+    if constexpr (kAhead) panels.ahead(k8 * 64, NR);
     __m512i w0[NR], w1[NR];
     for (int j = 0; j < NR; ++j) {
       const __m512i v = _mm512_load_si512(panel + j * panel_bytes + k8 * 64);
@@ -455,12 +463,16 @@ void dispatch_block(int mr, int nr, Args... args) {
 template <int MR, int NR>
 struct VnniI8 {
   template <typename... Args>
-  static void run(Args... args) { vnni_i8_block<MR, NR>(args...); }
+  static void run(bool ahead, Args... args) {
+    ahead ? vnni_i8_block<MR, NR, true>(args...) : vnni_i8_block<MR, NR, false>(args...);
+  }
 };
 template <int MR, int NR>
 struct VnniI4 {
   template <typename... Args>
-  static void run(Args... args) { vnni_i4_block<MR, NR>(args...); }
+  static void run(bool ahead, Args... args) {
+    ahead ? vnni_i4_block<MR, NR, true>(args...) : vnni_i4_block<MR, NR, false>(args...);
+  }
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -646,7 +658,7 @@ int64_t packed_rows_bytes(const PackedMatrix& w, int64_t m, GemmKernel kernel) {
 }
 
 PackedRows packed_rows(const PackedMatrix& w, int64_t m, GemmKernel kernel, void* memory) {
-  TORCH_CHECK(m >= 0 && (kernel == GemmKernel::kVnni || kernel == GemmKernel::kAmx),
+  TORCH_CHECK(m >= 0 && (is_vnni(kernel) || kernel == GemmKernel::kAmx),
               "cam_jit packed_rows: m must be >= 0 and the kernel packed, got ", m);
   PackedRows out;
   out.m = m;
@@ -697,7 +709,7 @@ void set_row(const PackedRows& rows, int64_t r, const int8_t* q) {
 int64_t vnni_groups(const PackedMatrix& w) { return (w.np / kBlockN + kVnniNr - 1) / kVnniNr; }
 
 void vnni_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_t* acc, int32_t* lo_acc,
-                int64_t ld, VnniNext next) {
+                int64_t ld, bool prefetch, VnniNext next) {
 #if defined(CAM_JIT_X86)
   const int64_t m = rows.m;
   const int64_t b = g * kVnniNr;
@@ -718,8 +730,8 @@ void vnni_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_
     const int32_t* comp = w.comp.data_ptr<int32_t>() + b * kBlockN;
     for (int64_t r = 0; r < m; r += kVnniMrI8) {
       const int mr = static_cast<int>(std::min<int64_t>(kVnniMrI8, m - r));
-      dispatch_block<kVnniMrI8, kVnniNr, VnniI8>(mr, nr, a + r * w.kp, w.kp, r + mr == m ? last : again, w.kp / 4,
-                                                 comp, acc + r * ld, ld, ncols);
+      dispatch_block<kVnniMrI8, kVnniNr, VnniI8>(mr, nr, prefetch, a + r * w.kp, w.kp, r + mr == m ? last : again,
+                                                 w.kp / 4, comp, acc + r * ld, ld, ncols);
     }
     return;
   }
@@ -729,9 +741,9 @@ void vnni_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_
   const int32_t* lo_sum8 = hi_sum8 + m;
   for (int64_t r = 0; r < m; r += kVnniMrI4) {
     const int mr = static_cast<int>(std::min<int64_t>(kVnniMrI4, m - r));
-    dispatch_block<kVnniMrI4, kVnniNr, VnniI4>(mr, nr, hi + r * w.kp, lo + r * w.kp, w.kp, r + mr == m ? last : again,
-                                               w.kp / 8, hi_sum8 + r, lo_sum8 + r, acc + r * ld, lo_acc + r * ld, ld,
-                                               ncols);
+    dispatch_block<kVnniMrI4, kVnniNr, VnniI4>(mr, nr, prefetch, hi + r * w.kp, lo + r * w.kp, w.kp,
+                                               r + mr == m ? last : again, w.kp / 8, hi_sum8 + r, lo_sum8 + r,
+                                               acc + r * ld, lo_acc + r * ld, ld, ncols);
   }
 #else
   TORCH_CHECK(false, "cam_jit vnni_group: no VNNI kernel on this architecture");
@@ -779,7 +791,7 @@ at::Tensor packed_matmul(const at::Tensor& q, const PackedMatrix& w, GemmKernel 
   const int64_t m = q.size(0);
   const int64_t parts = w.int4 ? 2 : 1;
 #if defined(CAM_JIT_X86)
-  if (kernel == GemmKernel::kVnni) {
+  if (is_vnni(kernel)) {
     at::Tensor out = at::empty({parts * m, w.n}, q.options().dtype(at::kInt));
     if (m == 0) return out;
     const PackedRows rows = rows_of(q, w, kernel);
@@ -787,7 +799,7 @@ at::Tensor packed_matmul(const at::Tensor& q, const PackedMatrix& w, GemmKernel 
     at::parallel_for(0, vnni_groups(w), 1, [&](int64_t g0, int64_t g1) {
       for (int64_t g = g0; g < g1; ++g) {
         vnni_group(rows, w, g, o + g * kVnniGroupColumns, o + m * w.n + g * kVnniGroupColumns, w.n,
-                   g + 1 < g1 ? VnniNext{&w, g + 1} : VnniNext{});
+                   kernel == GemmKernel::kVnniPrefetch, g + 1 < g1 ? VnniNext{&w, g + 1} : VnniNext{});
       }
     });
     return out;
@@ -817,7 +829,7 @@ namespace {
 
 std::vector<std::string> kernel_variants() {
   std::vector<std::string> out;
-  for (int v = 0; v < 3; ++v)
+  for (int v = 0; v < kGemmCount; ++v)
     if (gemm_available(v)) out.push_back(std::string("gemm:") + kGemmNames[v]);
   for (int v = 0; v < 2; ++v)
     if (vector_available(v)) out.push_back(std::string("vector:") + kVectorNames[v]);
@@ -828,7 +840,7 @@ std::vector<std::string> kernel_variants() {
 std::vector<std::string> select_kernels(const std::string& gemm, const std::string& vector) {
   std::vector<std::string> previous = {setting_name(gemm_setting().load(), kGemmNames),
                                        setting_name(vector_setting().load(), kVectorNames)};
-  const int g = gemm.empty() ? gemm_setting().load() : parse_variant(gemm, kGemmNames, 3, gemm_available, "GEMM");
+  const int g = gemm.empty() ? gemm_setting().load() : parse_variant(gemm, kGemmNames, kGemmCount, gemm_available, "GEMM");
   const int v = vector.empty() ? vector_setting().load()
                                : parse_variant(vector, kVectorNames, 2, vector_available, "vector");
   gemm_setting().store(g);
@@ -845,8 +857,9 @@ int64_t prepack_weight(const at::Tensor& w, bool int4) {
   return p->panel.nbytes() + (p->comp.defined() ? p->comp.nbytes() : 0);
 }
 
-// acc = q . w with GEMM variant `kernel` (tests compare the variants): q [M, K] int8, w int8
-// [K, N] or (int4) int32 [K, N/8]. Returns int32 [M, N] (int4: [2M, N], hi rows then lo rows).
+// acc = q . w with GEMM variant `kernel` (tests compare the variants; "auto": the one the expert FFN
+// picks for M rows): q [M, K] int8, w int8 [K, N] or (int4) int32 [K, N/8]. Returns int32 [M, N]
+// (int4: [2M, N], hi rows then lo rows).
 at::Tensor int8_matmul(const at::Tensor& q, const at::Tensor& w, bool int4, const std::string& kernel) {
   check_cpu(q, "q");
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "_cam_jit_cpu::int8_matmul: q must be a 2-D int8 "
@@ -854,10 +867,11 @@ at::Tensor int8_matmul(const at::Tensor& q, const at::Tensor& w, bool int4, cons
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == (int4 ? at::kInt : at::kChar) && w.size(0) == q.size(1),
               "_cam_jit_cpu::int8_matmul: w must be a 2-D ", int4 ? "int32 (packed int4)" : "int8", " [",
               q.size(1), ", *] matrix, got ", w.scalar_type(), " ", w.sizes());
-  const int v = parse_variant(kernel, kGemmNames, 3, gemm_available, "GEMM");
-  TORCH_CHECK(v != kAuto && v != static_cast<int>(GemmKernel::kIntMm),
-              "_cam_jit_cpu::int8_matmul: kernel must be 'vnni' or 'amx', got '", kernel, "'");
-  return packed_matmul(q.contiguous(), *packed_matrix(w, int4), static_cast<GemmKernel>(v));
+  const int v = parse_variant(kernel, kGemmNames, kGemmCount, gemm_available, "GEMM");
+  const GemmKernel k = v == kAuto ? gemm_kernel(q.size(0)) : static_cast<GemmKernel>(v);
+  TORCH_CHECK(k != GemmKernel::kIntMm, "_cam_jit_cpu::int8_matmul: kernel must be a packed one ('vnni', "
+              "'vnni_prefetch', 'amx', or 'auto' where it picks one), got '", kernel, "'");
+  return packed_matmul(q.contiguous(), *packed_matrix(w, int4), k);
 }
 
 // Bytes held by the prepack cache (entries of dead storages dropped first); `clear` empties it.
