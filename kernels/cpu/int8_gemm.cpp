@@ -348,17 +348,26 @@ int64_t vnni_panel_bytes(const PackedMatrix& w) { return w.kp * kBlockN / (w.int
 // after them (`next`, `next_bytes` apart). The prefetch runs kPrefetchBytes ahead in each panel and,
 // past the panel's end, on into the next panels: at decode sizes a panel is 8-32 KiB, and fetching
 // the first 2 KiB of every panel on demand costs a quarter of the time.
+// Both kernels also bring a stretch of the thread's next column group into L2 (`to_l2`, a line per
+// k step for `l2_steps` steps) in every row block but the last: with many rows a group's products
+// are compute-bound, and without it the first row block of each group waits on memory for the
+// panels (a tenth of the time at 128 rows per expert).
 struct PanelPrefetch {
   const uint8_t* panel;
   int64_t panel_bytes;
   const uint8_t* next;
   int64_t next_bytes;
+  const uint8_t* l2 = nullptr;
+  int64_t l2_steps = 0;
   // Prefetches the line kPrefetchBytes past byte `at` of each of the first nr panels.
   CAM_JIT_AVX512 void ahead(int64_t at, int nr) const {
     const int64_t wrap = panel_bytes - kPrefetchBytes;
     const uint8_t* line = at < wrap ? panel + at + kPrefetchBytes : next + (at - wrap);
     const int64_t stride = at < wrap ? panel_bytes : next_bytes;
     for (int j = 0; j < nr; ++j) _mm_prefetch(reinterpret_cast<const char*>(line + j * stride), _MM_HINT_T0);
+  }
+  CAM_JIT_AVX512 void to_l2(int64_t step) const {
+    if (step < l2_steps) _mm_prefetch(reinterpret_cast<const char*>(l2 + step * 64), _MM_HINT_T1);
   }
 };
 
@@ -372,6 +381,7 @@ CAM_JIT_AVX512 void vnni_i8_block(const uint8_t* a, int64_t lda, PanelPrefetch p
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_si512();
   for (int64_t k4 = 0; k4 < k4s; ++k4) {
     if constexpr (kAhead) panels.ahead(k4 * 64, NR);
+    panels.to_l2(k4);
     __m512i w[NR];
     for (int j = 0; j < NR; ++j) {
       w[j] = _mm512_load_si512(panel + j * panel_bytes + k4 * 64);
@@ -411,6 +421,7 @@ CAM_JIT_AVX512 void vnni_i4_block(const int8_t* hi, const int8_t* lo, int64_t ld
   const __m512i low4 = _mm512_set1_epi8(15);
   for (int64_t k8 = 0; k8 < k8s; ++k8) {
     if constexpr (kAhead) panels.ahead(k8 * 64, NR);
+    panels.to_l2(k8);
     __m512i w0[NR], w1[NR];
     for (int j = 0; j < NR; ++j) {
       const __m512i v = _mm512_load_si512(panel + j * panel_bytes + k8 * 64);
@@ -721,17 +732,38 @@ void vnni_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_
   // after the last the thread's next group when it is of the same kind.
   const PanelPrefetch again{panel, panel_bytes, panel, panel_bytes};
   PanelPrefetch last = again;
-  if (next.w != nullptr && next.w->int4 == w.int4) {
-    last.next_bytes = vnni_panel_bytes(*next.w);
-    last.next = next.w->panel.data_ptr<uint8_t>() + next.g * kVnniNr * last.next_bytes;
+  const uint8_t* next_group = nullptr;
+  int64_t next_group_bytes = 0;
+  if (next.w != nullptr) {
+    const int64_t next_panel_bytes = vnni_panel_bytes(*next.w);
+    const int64_t next_b = next.g * kVnniNr;
+    next_group = next.w->panel.data_ptr<uint8_t>() + next_b * next_panel_bytes;
+    next_group_bytes = std::min<int64_t>(kVnniNr, next.w->np / kBlockN - next_b) * next_panel_bytes;
+    if (next.w->int4 == w.int4) {
+      last.next = next_group;
+      last.next_bytes = next_panel_bytes;
+    }
   }
+  const int64_t steps = w.kp / (w.int4 ? 8 : 4);  // k steps of a row block, a panel line each
+  // Row block i (at row r, `rows_per_block` apart): `last`, or `again` with its stretch of the next group.
+  auto block_prefetch = [&](int64_t r, int64_t rows_per_block, int mr) {
+    if (r + mr == m) return last;
+    PanelPrefetch p = again;
+    const int64_t at = r / rows_per_block * steps * 64;
+    if (at < next_group_bytes) {
+      p.l2 = next_group + at;
+      p.l2_steps = std::min<int64_t>(steps, (next_group_bytes - at) / 64);
+    }
+    return p;
+  };
   if (!w.int4) {
     const uint8_t* a = reinterpret_cast<const uint8_t*>(rows.a);
     const int32_t* comp = w.comp.data_ptr<int32_t>() + b * kBlockN;
     for (int64_t r = 0; r < m; r += kVnniMrI8) {
       const int mr = static_cast<int>(std::min<int64_t>(kVnniMrI8, m - r));
-      dispatch_block<kVnniMrI8, kVnniNr, VnniI8>(mr, nr, prefetch, a + r * w.kp, w.kp, r + mr == m ? last : again,
-                                                 w.kp / 4, comp, acc + r * ld, ld, ncols);
+      dispatch_block<kVnniMrI8, kVnniNr, VnniI8>(mr, nr, prefetch, a + r * w.kp, w.kp,
+                                                 block_prefetch(r, kVnniMrI8, mr), steps, comp, acc + r * ld, ld,
+                                                 ncols);
     }
     return;
   }
@@ -742,7 +774,7 @@ void vnni_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_
   for (int64_t r = 0; r < m; r += kVnniMrI4) {
     const int mr = static_cast<int>(std::min<int64_t>(kVnniMrI4, m - r));
     dispatch_block<kVnniMrI4, kVnniNr, VnniI4>(mr, nr, prefetch, hi + r * w.kp, lo + r * w.kp, w.kp,
-                                               r + mr == m ? last : again, w.kp / 8, hi_sum8 + r, lo_sum8 + r,
+                                               block_prefetch(r, kVnniMrI4, mr), steps, hi_sum8 + r, lo_sum8 + r,
                                                acc + r * ld, lo_acc + r * ld, ld, ncols);
   }
 #else
