@@ -1,6 +1,6 @@
 """Every CPU kernel variant the build can select on this machine, forced one at a time: the GEMMs
-(`int_mm` portable, `vnni` and `vnni_prefetch` AVX512-VNNI without and with software prefetch, and
-`amx` AMX, on prepacked weights) are exact, and the whole
+(`int_mm` portable, `vnni` and `vnni_l1` AVX512-VNNI prefetching into L2 and into L1, and `amx`
+AMX, on prepacked weights) are exact, and the whole
 fused_deep_moe op is bit-identical across all GEMM x element-wise (`scalar`, `avx512`) variants and
 to the plain-torch reference. Also: the prepack cache follows in-place weight updates, the
 preparation API, and the argument checks of the internal ops."""
@@ -45,12 +45,12 @@ def test_portable_variants_always_exist_and_this_cpu_gets_its_own():
     if platform.machine() == "x86_64" and {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= set(flags):
         assert "avx512" in vectors
         if "avx512_vnni" in flags:
-            assert "vnni" in gemms and "vnni_prefetch" in gemms
+            assert "vnni" in gemms and "vnni_l1" in gemms
     if platform.machine() != "x86_64":
         assert gemms == ["int_mm"] and vectors == ["scalar"]
 
 
-PACKED = [g for g in ("vnni", "vnni_prefetch", "amx") if g in available("gemm")]
+PACKED = [g for g in ("vnni", "vnni_l1", "amx") if g in available("gemm")]
 # Rows on both sides of the AMX tile rows (16) and row pairs (32), K off the 64-k tiles, N ending
 # inside a 16-column block, a block pair and a 64-column group; (1|7, 600, 200): one row and an odd
 # row block (the int4 VNNI kernel's two accumulators per output for one row) over several column

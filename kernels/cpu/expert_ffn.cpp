@@ -365,7 +365,7 @@ GroupProduct group_product(const PackedExpert& pe, const PackedRows& rows, const
   if (pe.kernel == GemmKernel::kAmx) {
     amx_group(rows, w, g, acc, lo, kVnniGroupColumns);
   } else {
-    vnni_group(rows, w, g, acc, lo, kVnniGroupColumns, pe.kernel == GemmKernel::kVnniPrefetch, next);
+    vnni_group(rows, w, g, acc, lo, kVnniGroupColumns, pe.kernel, next);
   }
   return {col, cols, pe.ex.int4, W8A8Dequant{acc, sp, cols, kVnniGroupColumns},
           W4A8Dequant{acc, lo, sp, bp, cols, kVnniGroupColumns}};

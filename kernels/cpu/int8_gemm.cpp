@@ -101,14 +101,14 @@ const CpuFeatures& features() {
 // ---------------------------------------------------------------------------------------------
 // The variant switch: "auto" (the best this CPU runs; AMX from kAmxMinRows rows, VNNI below) or a
 // forced variant. Set from CAM_JIT_CPU_GEMM / CAM_JIT_CPU_VECTOR at load, or select_kernels().
-// Auto's VNNI prefetches in software on Intel CPUs only: measured at one row (weights streaming from
-// memory), it saved a quarter of the product's time on a Xeon (Sapphire Rapids) and cost a sixth on
-// an AMD EPYC, whose hardware prefetcher keeps the four streams of a column group fed alone.
+// Auto's VNNI prefetches into L1 on Intel CPUs and into L2 elsewhere: measured at one row (weights
+// streaming from memory), prefetching into L1 saved a quarter of the product's time on a Xeon
+// (Sapphire Rapids) and cost a sixth on an AMD EPYC, where prefetching into L2 saves a tenth.
 
 constexpr int64_t kAmxMinRows = 16;
 constexpr int kAuto = -1;
 
-const char* const kGemmNames[] = {"int_mm", "vnni", "amx", "vnni_prefetch"};
+const char* const kGemmNames[] = {"int_mm", "vnni", "amx", "vnni_l1"};
 constexpr int kGemmCount = 4;
 const char* const kVectorNames[] = {"scalar", "avx512"};
 
@@ -312,7 +312,7 @@ GemmKernel gemm_kernel(int64_t rows) {
   if (s != kAuto) return static_cast<GemmKernel>(s);
   if (features().amx && rows >= kAmxMinRows) return GemmKernel::kAmx;
   if (!features().vnni) return GemmKernel::kIntMm;
-  return features().intel ? GemmKernel::kVnniPrefetch : GemmKernel::kVnni;
+  return features().intel ? GemmKernel::kVnniL1 : GemmKernel::kVnni;
 }
 
 VectorKernel vector_kernel() {
@@ -336,10 +336,13 @@ CAM_JIT_AVX512 inline __m512i dpbusd(__m512i acc, __m512i u8, __m512i s8) {
   return acc;
 }
 
-// Bytes ahead of the current k step that kVnniPrefetch prefetches in each panel it streams: at
-// M <= 6 it is bound by memory latency, and on Intel CPUs the hardware prefetcher alone keeps too
-// few lines in flight over 4 concurrent panels.
-constexpr int64_t kPrefetchBytes = 2048;
+// How far ahead of the current k step the VNNI kernels prefetch in each panel they stream, and into
+// which cache (kVnniL1: L1, kVnni: L2; kNone for a row block that finds the panels in L2): at M <= 6
+// they are bound by memory latency, and the hardware prefetcher alone keeps too few lines in flight
+// over 4 concurrent panels.
+enum class Ahead { kNone, kL1, kL2 };
+template <Ahead kAhead>
+constexpr int64_t kPrefetchBytes = kAhead == Ahead::kL1 ? 2048 : 1024;
 
 // Bytes of one packed 16-column panel of w (int4: two weights a byte).
 int64_t vnni_panel_bytes(const PackedMatrix& w) { return w.kp * kBlockN / (w.int4 ? 2 : 1); }
@@ -360,18 +363,23 @@ struct PanelPrefetch {
   const uint8_t* l2 = nullptr;
   int64_t l2_steps = 0;
   // Prefetches the line kPrefetchBytes past byte `at` of each of the first nr panels.
+  template <Ahead kAhead>
   CAM_JIT_AVX512 void ahead(int64_t at, int nr) const {
-    const int64_t wrap = panel_bytes - kPrefetchBytes;
-    const uint8_t* line = at < wrap ? panel + at + kPrefetchBytes : next + (at - wrap);
+    if constexpr (kAhead == Ahead::kNone) return;
+    constexpr int64_t distance = kPrefetchBytes<kAhead>;
+    const int64_t wrap = panel_bytes - distance;
+    const uint8_t* line = at < wrap ? panel + at + distance : next + (at - wrap);
     const int64_t stride = at < wrap ? panel_bytes : next_bytes;
-    for (int j = 0; j < nr; ++j) _mm_prefetch(reinterpret_cast<const char*>(line + j * stride), _MM_HINT_T0);
+    for (int j = 0; j < nr; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(line + j * stride), kAhead == Ahead::kL1 ? _MM_HINT_T0 : _MM_HINT_T1);
+    }
   }
   CAM_JIT_AVX512 void to_l2(int64_t step) const {
     if (step < l2_steps) _mm_prefetch(reinterpret_cast<const char*>(l2 + step * 64), _MM_HINT_T1);
   }
 };
 
-template <int MR, int NR, bool kAhead>
+template <int MR, int NR, Ahead kAhead>
 CAM_JIT_AVX512 void vnni_i8_block(const uint8_t* a, int64_t lda, PanelPrefetch panels, int64_t k4s,
                                   const int32_t* comp, int32_t* out, int64_t ldo, int64_t ncols) {
   const uint8_t* panel = panels.panel;
@@ -380,7 +388,7 @@ CAM_JIT_AVX512 void vnni_i8_block(const uint8_t* a, int64_t lda, PanelPrefetch p
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_si512();
   for (int64_t k4 = 0; k4 < k4s; ++k4) {
-    if constexpr (kAhead) panels.ahead(k4 * 64, NR);
+    panels.ahead<kAhead>(k4 * 64, NR);
     panels.to_l2(k4);
     __m512i w[NR];
     for (int j = 0; j < NR; ++j) {
@@ -407,7 +415,7 @@ CAM_JIT_AVX512 void vnni_i8_block(const uint8_t* a, int64_t lda, PanelPrefetch p
 // 16 columns. A single row (MR == 1, the decode case) keeps two accumulators per output, one per
 // k-group, so that the two vpdpbusd of a k step do not wait on each other; more rows have no
 // registers for that.
-template <int MR, int NR, bool kAhead>
+template <int MR, int NR, Ahead kAhead>
 CAM_JIT_AVX512 void vnni_i4_block(const int8_t* hi, const int8_t* lo, int64_t lda, PanelPrefetch panels, int64_t k8s,
                                   const int32_t* hi_sum8, const int32_t* lo_sum8, int32_t* out_hi, int32_t* out_lo,
                                   int64_t ldo, int64_t ncols) {
@@ -420,7 +428,7 @@ CAM_JIT_AVX512 void vnni_i4_block(const int8_t* hi, const int8_t* lo, int64_t ld
       for (int j = 0; j < NR; ++j) acc_hi[s][i][j] = acc_lo[s][i][j] = _mm512_setzero_si512();
   const __m512i low4 = _mm512_set1_epi8(15);
   for (int64_t k8 = 0; k8 < k8s; ++k8) {
-    if constexpr (kAhead) panels.ahead(k8 * 64, NR);
+    panels.ahead<kAhead>(k8 * 64, NR);
     panels.to_l2(k8);
     __m512i w0[NR], w1[NR];
     for (int j = 0; j < NR; ++j) {
@@ -474,15 +482,19 @@ void dispatch_block(int mr, int nr, Args... args) {
 template <int MR, int NR>
 struct VnniI8 {
   template <typename... Args>
-  static void run(bool ahead, Args... args) {
-    ahead ? vnni_i8_block<MR, NR, true>(args...) : vnni_i8_block<MR, NR, false>(args...);
+  static void run(Ahead ahead, Args... args) {
+    if (ahead == Ahead::kL1) return vnni_i8_block<MR, NR, Ahead::kL1>(args...);
+    if (ahead == Ahead::kL2) return vnni_i8_block<MR, NR, Ahead::kL2>(args...);
+    vnni_i8_block<MR, NR, Ahead::kNone>(args...);
   }
 };
 template <int MR, int NR>
 struct VnniI4 {
   template <typename... Args>
-  static void run(bool ahead, Args... args) {
-    ahead ? vnni_i4_block<MR, NR, true>(args...) : vnni_i4_block<MR, NR, false>(args...);
+  static void run(Ahead ahead, Args... args) {
+    if (ahead == Ahead::kL1) return vnni_i4_block<MR, NR, Ahead::kL1>(args...);
+    if (ahead == Ahead::kL2) return vnni_i4_block<MR, NR, Ahead::kL2>(args...);
+    vnni_i4_block<MR, NR, Ahead::kNone>(args...);
   }
 };
 
@@ -720,16 +732,17 @@ void set_row(const PackedRows& rows, int64_t r, const int8_t* q) {
 int64_t vnni_groups(const PackedMatrix& w) { return (w.np / kBlockN + kVnniNr - 1) / kVnniNr; }
 
 void vnni_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_t* acc, int32_t* lo_acc,
-                int64_t ld, bool prefetch, VnniNext next) {
+                int64_t ld, GemmKernel kernel, VnniNext next) {
 #if defined(CAM_JIT_X86)
+  const Ahead prefetch = kernel == GemmKernel::kVnniL1 ? Ahead::kL1 : Ahead::kL2;
   const int64_t m = rows.m;
   const int64_t b = g * kVnniNr;
   const int nr = static_cast<int>(std::min<int64_t>(kVnniNr, w.np / kBlockN - b));
   const int64_t ncols = std::min<int64_t>(nr * kBlockN, w.n - b * kBlockN);
   const int64_t panel_bytes = vnni_panel_bytes(w);
   const uint8_t* panel = w.panel.data_ptr<uint8_t>() + b * panel_bytes;
-  // After each row block but the last comes this group again (its panels back from L2 into L1),
-  // after the last the thread's next group when it is of the same kind.
+  // After each row block but the last comes this group again (kVnniL1: its panels back from L2 into
+  // L1), after the last the thread's next group when it is of the same kind.
   const PanelPrefetch again{panel, panel_bytes, panel, panel_bytes};
   PanelPrefetch last = again;
   const uint8_t* next_group = nullptr;
@@ -745,6 +758,8 @@ void vnni_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_
     }
   }
   const int64_t steps = w.kp / (w.int4 ? 8 : 4);  // k steps of a row block, a panel line each
+  // Into L2 only the first row block prefetches ahead: the others find the panels there.
+  auto block_ahead = [&](int64_t r) { return prefetch == Ahead::kL2 && r > 0 ? Ahead::kNone : prefetch; };
   // Row block i (at row r, `rows_per_block` apart): `last`, or `again` with its stretch of the next group.
   auto block_prefetch = [&](int64_t r, int64_t rows_per_block, int mr) {
     if (r + mr == m) return last;
@@ -761,7 +776,7 @@ void vnni_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_
     const int32_t* comp = w.comp.data_ptr<int32_t>() + b * kBlockN;
     for (int64_t r = 0; r < m; r += kVnniMrI8) {
       const int mr = static_cast<int>(std::min<int64_t>(kVnniMrI8, m - r));
-      dispatch_block<kVnniMrI8, kVnniNr, VnniI8>(mr, nr, prefetch, a + r * w.kp, w.kp,
+      dispatch_block<kVnniMrI8, kVnniNr, VnniI8>(mr, nr, block_ahead(r), a + r * w.kp, w.kp,
                                                  block_prefetch(r, kVnniMrI8, mr), steps, comp, acc + r * ld, ld,
                                                  ncols);
     }
@@ -773,7 +788,7 @@ void vnni_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_
   const int32_t* lo_sum8 = hi_sum8 + m;
   for (int64_t r = 0; r < m; r += kVnniMrI4) {
     const int mr = static_cast<int>(std::min<int64_t>(kVnniMrI4, m - r));
-    dispatch_block<kVnniMrI4, kVnniNr, VnniI4>(mr, nr, prefetch, hi + r * w.kp, lo + r * w.kp, w.kp,
+    dispatch_block<kVnniMrI4, kVnniNr, VnniI4>(mr, nr, block_ahead(r), hi + r * w.kp, lo + r * w.kp, w.kp,
                                                block_prefetch(r, kVnniMrI4, mr), steps, hi_sum8 + r, lo_sum8 + r,
                                                acc + r * ld, lo_acc + r * ld, ld, ncols);
   }
@@ -831,7 +846,7 @@ at::Tensor packed_matmul(const at::Tensor& q, const PackedMatrix& w, GemmKernel 
     at::parallel_for(0, vnni_groups(w), 1, [&](int64_t g0, int64_t g1) {
       for (int64_t g = g0; g < g1; ++g) {
         vnni_group(rows, w, g, o + g * kVnniGroupColumns, o + m * w.n + g * kVnniGroupColumns, w.n,
-                   kernel == GemmKernel::kVnniPrefetch, g + 1 < g1 ? VnniNext{&w, g + 1} : VnniNext{});
+                   kernel, g + 1 < g1 ? VnniNext{&w, g + 1} : VnniNext{});
       }
     });
     return out;
@@ -902,7 +917,7 @@ at::Tensor int8_matmul(const at::Tensor& q, const at::Tensor& w, bool int4, cons
   const int v = parse_variant(kernel, kGemmNames, kGemmCount, gemm_available, "GEMM");
   const GemmKernel k = v == kAuto ? gemm_kernel(q.size(0)) : static_cast<GemmKernel>(v);
   TORCH_CHECK(k != GemmKernel::kIntMm, "_cam_jit_cpu::int8_matmul: kernel must be a packed one ('vnni', "
-              "'vnni_prefetch', 'amx', or 'auto' where it picks one), got '", kernel, "'");
+              "'vnni_l1', 'amx', or 'auto' where it picks one), got '", kernel, "'");
   return packed_matmul(q.contiguous(), *packed_matrix(w, int4), k);
 }
 

@@ -14,17 +14,16 @@
 namespace cam_jit_cpu {
 
 // The GEMM of the expert matmuls. kIntMm: ATen `_int_mm` on the weights as stored (portable).
-// kVnni: AVX512-VNNI (vpdpbusd) on prepacked weights, streamed by the hardware prefetcher alone.
-// kAmx: AMX int8 tiles on prepacked weights. kVnniPrefetch: kVnni with software prefetches running
-// ahead in every weight panel it streams.
-enum class GemmKernel { kIntMm = 0, kVnni = 1, kAmx = 2, kVnniPrefetch = 3 };
-inline bool is_vnni(GemmKernel k) { return k == GemmKernel::kVnni || k == GemmKernel::kVnniPrefetch; }
+// kVnni: AVX512-VNNI (vpdpbusd) on prepacked weights, prefetching ahead in the weight panels it
+// streams into L2. kAmx: AMX int8 tiles on prepacked weights. kVnniL1: kVnni prefetching into L1.
+enum class GemmKernel { kIntMm = 0, kVnni = 1, kAmx = 2, kVnniL1 = 3 };
+inline bool is_vnni(GemmKernel k) { return k == GemmKernel::kVnni || k == GemmKernel::kVnniL1; }
 // The element-wise stages (quantisation, dequantisation, SwiGLU). kScalar: portable loops.
 // kAvx512: AVX512 intrinsics, bit-identical to the scalar loops.
 enum class VectorKernel { kScalar = 0, kAvx512 = 1 };
 
 // The GEMM variant for a product of `rows` activation rows (auto: AMX from 16 rows, VNNI below;
-// VNNI with software prefetch on Intel CPUs, without elsewhere).
+// VNNI prefetching into L1 on Intel CPUs, into L2 elsewhere).
 GemmKernel gemm_kernel(int64_t rows);
 VectorKernel vector_kernel();
 
@@ -89,10 +88,10 @@ struct VnniNext {
 };
 // Exact q . W on the columns [64 g, min(64 g + 64, N)) of group g, q the rows (packed_rows for kVnni):
 // acc[r * ld + c] for r < M and c the column within the group. int4 weights: hi . W into acc, lo . W
-// into lo_acc. With `prefetch` (kVnniPrefetch) the kernel prefetches ahead in the group's panels and
-// on into `next`. Needs VNNI.
+// into lo_acc. `kernel` (a VNNI one) says how it prefetches ahead in the group's panels and on into
+// `next`. Needs VNNI.
 void vnni_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_t* acc, int32_t* lo_acc,
-                int64_t ld, bool prefetch, VnniNext next = {});
+                int64_t ld, GemmKernel kernel, VnniNext next = {});
 
 // The AMX product on the same column groups as the VNNI one (vnni_groups(w) of them), q the rows
 // (packed_rows for kAmx, padded to a multiple of 16): exact q . W on the 16-column blocks of group g
