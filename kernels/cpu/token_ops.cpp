@@ -152,30 +152,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   return {pos, token, expert, counts, pair_rows, q, scale};
 }
 
-// docs/semantics.md §1.8 step 5. y holds one expert result per routed pair; pair_rows[t, k] is the row of
-// y for pair (t, k), or -1 for a skipped pair. Rows t >= active_count are zero.
-at::Tensor combine_into(const at::Tensor& yc, const int64_t* pr_ptr, const float* w_ptr, int64_t batch, int64_t topk,
-                        int64_t active_count);
-
-at::Tensor combine(const at::Tensor& y, const at::Tensor& pair_rows, const at::Tensor& weights,
-                   int64_t active_count) {
-  check_cpu(y, "y");
-  TORCH_CHECK(y.dim() == 2, "_cam_jit_cpu::combine: y must be 2-D, got ", y.sizes());
-  TORCH_CHECK(pair_rows.dim() == 2 && pair_rows.sizes() == weights.sizes(),
-              "_cam_jit_cpu::combine: pair_rows ", pair_rows.sizes(), " and weights ", weights.sizes(),
-              " must be equal 2-D shapes");
-  TORCH_CHECK(weights.scalar_type() == at::kFloat, "_cam_jit_cpu::combine: weights must be float32");
-  const int64_t batch = pair_rows.size(0);
-  const int64_t topk = pair_rows.size(1);
-  TORCH_CHECK(active_count >= 0 && active_count <= batch, "_cam_jit_cpu::combine: active_count ",
-              active_count, " outside [0, ", batch, "]");
-  const at::Tensor pr = pair_rows.to(at::kLong).contiguous();
-  return combine_into(y.contiguous(), pr.data_ptr<int64_t>(), weights.contiguous().data_ptr<float>(), batch, topk,
-                      active_count);
-}
-
-// combine's step 5 on yc (contiguous [y_rows, H]) with pair_rows and weights [batch, topk] int64 / float32
-// of the caller's (checked but the rows).
+// docs/semantics.md §1.8 step 5 on yc (contiguous [y_rows, H]), one expert result per routed pair, with
+// pair_rows and weights [batch, topk] int64 / float32 of the caller's (checked but the rows):
+// pair_rows[t, k] is the row of yc for pair (t, k), or -1 for a skipped pair. Rows t >= active_count
+// are zero.
 at::Tensor combine_into(const at::Tensor& yc, const int64_t* pr_ptr, const float* w_ptr, int64_t batch, int64_t topk,
                         int64_t active_count) {
   const int64_t hidden = yc.size(1);
@@ -224,6 +204,24 @@ at::Tensor combine_into(const at::Tensor& yc, const int64_t* pr_ptr, const float
     });
   });
   return out;
+}
+
+// combine_into on tensors: y [rows, H], pair_rows and weights [BS, K], with their checks.
+at::Tensor combine(const at::Tensor& y, const at::Tensor& pair_rows, const at::Tensor& weights,
+                   int64_t active_count) {
+  check_cpu(y, "y");
+  TORCH_CHECK(y.dim() == 2, "_cam_jit_cpu::combine: y must be 2-D, got ", y.sizes());
+  TORCH_CHECK(pair_rows.dim() == 2 && pair_rows.sizes() == weights.sizes(),
+              "_cam_jit_cpu::combine: pair_rows ", pair_rows.sizes(), " and weights ", weights.sizes(),
+              " must be equal 2-D shapes");
+  TORCH_CHECK(weights.scalar_type() == at::kFloat, "_cam_jit_cpu::combine: weights must be float32");
+  const int64_t batch = pair_rows.size(0);
+  const int64_t topk = pair_rows.size(1);
+  TORCH_CHECK(active_count >= 0 && active_count <= batch, "_cam_jit_cpu::combine: active_count ",
+              active_count, " outside [0, ", batch, "]");
+  const at::Tensor pr = pair_rows.to(at::kLong).contiguous();
+  return combine_into(y.contiguous(), pr.data_ptr<int64_t>(), weights.contiguous().data_ptr<float>(), batch, topk,
+                      active_count);
 }
 
 // fused_deep_moe on one rank (docs/semantics.md §1.8; §1.9 for int32 W4A8 weights) in one call:
