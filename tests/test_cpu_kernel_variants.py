@@ -143,17 +143,43 @@ def expert_rows_case(variant, group_sizes, hidden, inter, seed):
 
 
 # Experts with 0 rows, rows on both sides of the AMX threshold (16), of its row pairs (32) and of
-# the VNNI row block (6); widths that are not multiples of the 64-column groups (the gate / up
-# boundary inside a group). The last two exceed the 2 MiB of GEMM1 output per batch of experts:
+# the VNNI row block (6); widths I that are multiples of the 64-column groups (SwiGLU in GEMM1's
+# epilogue, on x86-64 builds with MKL) and widths that are not (the gate / up boundary inside a
+# group: SwiGLU after GEMM1). The last two exceed the 2 MiB of GEMM1 output per batch of experts:
 # batches of several experts, and one expert alone over the limit (and over the 4 MiB of stage
 # buffers a thread keeps: they are freed after each such call and grown again by the next).
 EXPERT_ROWS = [
     dict(group_sizes=[0, 1, 15, 16, 7, 0, 40], hidden=72, inter=40),
     dict(group_sizes=[1, 1, 1, 1], hidden=128, inter=96),
+    dict(group_sizes=[0, 1, 15, 16, 7, 33], hidden=72, inter=128),
     dict(group_sizes=[3, 0, 6, 13], hidden=64, inter=8),
     dict(group_sizes=[600, 31, 5, 520, 33, 48], hidden=64, inter=264),
     dict(group_sizes=[2, 2100], hidden=48, inter=256),
 ]
+
+
+@pytest.mark.parametrize("variant", ["w8a8", "w4a8"])
+def test_non_finite_values_in_one_column_group_agree(variant):
+    """Infinite and NaN gmm1 scales in single columns of I = 192 (three 64-column groups per half):
+    where SwiGLU runs in GEMM1's epilogue, each row's max|h| is folded from its groups' maxima, and
+    rows with an inf or a NaN in one group only must come out as the portable kernels' whole-row
+    fold gives them."""
+    op = getattr(cpu_kernels(), f"expert_ffn_{variant}")
+    args = list(expert_rows_case(variant, [3, 17, 40, 9], hidden=64, inter=192, seed=31))
+    s1 = args[4][0].clone()
+    s1[0, 70] = float("inf")  # gate column of group 1: G = inf
+    s1[1, 192 + 130] = float("nan")  # up column of group 2
+    s1[2, 5] = float("-inf")  # gate column of group 0: G = -inf / inf = NaN (expert 3 stays finite)
+    args[4] = [s1]
+    with forced("int_mm", "scalar"):
+        expected = op(*args, torch.bfloat16)
+    rows_nan = torch.isnan(expected.float()).any(dim=1)
+    assert rows_nan.any() and not rows_nan.all(), "the case must give rows with and without NaN"
+    for gemm in ["auto"] + available("gemm"):
+        for vector in available("vector"):
+            with forced(gemm, vector):
+                got = op(*args, torch.bfloat16)
+            assert torch.equal(bits(got), bits(expected)), (variant, gemm, vector)
 
 
 @pytest.mark.parametrize("variant", ["w8a8", "w4a8"])
