@@ -21,6 +21,10 @@ void dequant_w8a8(const int32_t* acc, const float* s, float a, float* d, int64_t
 // d[j] = ((((f32(hi[j]) * s[j]) * 16) + f32(lo[j]) * s[j]) + bias[j]) * a.
 void dequant_w4a8(const int32_t* hi, const int32_t* lo, const float* s, const float* bias, float a, float* d,
                   int64_t n);
+// y[j] = bf16 of dequant_w8a8's d[j] / dequant_w4a8's d[j] (float_to_bf16's rounding).
+void dequant_w8a8_bf16(const int32_t* acc, const float* s, float a, uint16_t* y, int64_t n);
+void dequant_w4a8_bf16(const int32_t* hi, const int32_t* lo, const float* s, const float* bias, float a, uint16_t* y,
+                       int64_t n);
 // out[j] = -v[j].
 void negate(const float* v, float* out, int64_t n);
 // h[j] = (gate[j] / (u[j] + 1)) * up[j]; returns the abs_max fold of h.

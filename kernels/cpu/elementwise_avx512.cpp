@@ -48,6 +48,31 @@ CAM_JIT_AVX512 inline __m512 load_bf16(const uint16_t* x, __mmask16 lanes) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+// (f32(acc) * s) * a on the lanes.
+CAM_JIT_AVX512 inline __m512 w8a8_lanes(const int32_t* acc, const float* s, __m512 a, __mmask16 lanes) {
+  const __m512 c = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(lanes, acc));
+  return _mm512_mul_ps(_mm512_mul_ps(c, _mm512_maskz_loadu_ps(lanes, s)), a);
+}
+
+// ((((f32(hi) * s) * 16) + f32(lo) * s) + bias) * a on the lanes.
+CAM_JIT_AVX512 inline __m512 w4a8_lanes(const int32_t* hi, const int32_t* lo, const float* s, const float* bias,
+                                        __m512 a, __mmask16 lanes) {
+  const __m512 sj = _mm512_maskz_loadu_ps(lanes, s);
+  const __m512 high =
+      _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(lanes, hi)), sj), _mm512_set1_ps(16.f));
+  const __m512 low = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(lanes, lo)), sj);
+  return _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(high, low), _mm512_maskz_loadu_ps(lanes, bias)), a);
+}
+
+// bf16(f) with c10's rounding (RNE, NaN -> 0x7FC0) into the lanes of y.
+CAM_JIT_AVX512 inline void store_bf16(__m512 f, uint16_t* y, __mmask16 lanes) {
+  const __m512i u = _mm512_castps_si512(f);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_mask_storeu_epi16(y, lanes, _mm512_cvtepi32_epi16(r));
+}
+
 }  // namespace
 
 CAM_JIT_AVX512 float abs_max(const float* v, int64_t n) {
@@ -89,22 +114,33 @@ CAM_JIT_AVX512 void dequant_w8a8(const int32_t* acc, const float* s, float a, fl
   const __m512 va = _mm512_set1_ps(a);
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 lanes = tail_mask(n - j);
-    const __m512 c = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(lanes, acc + j));
-    _mm512_mask_storeu_ps(d + j, lanes, _mm512_mul_ps(_mm512_mul_ps(c, _mm512_maskz_loadu_ps(lanes, s + j)), va));
+    _mm512_mask_storeu_ps(d + j, lanes, w8a8_lanes(acc + j, s + j, va, lanes));
+  }
+}
+
+CAM_JIT_AVX512 void dequant_w8a8_bf16(const int32_t* acc, const float* s, float a, uint16_t* y, int64_t n) {
+  const __m512 va = _mm512_set1_ps(a);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 lanes = tail_mask(n - j);
+    store_bf16(w8a8_lanes(acc + j, s + j, va, lanes), y + j, lanes);
   }
 }
 
 CAM_JIT_AVX512 void dequant_w4a8(const int32_t* hi, const int32_t* lo, const float* s, const float* bias, float a,
                                  float* d, int64_t n) {
-  const __m512 va = _mm512_set1_ps(a), sixteen = _mm512_set1_ps(16.f);
+  const __m512 va = _mm512_set1_ps(a);
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 lanes = tail_mask(n - j);
-    const __m512 sj = _mm512_maskz_loadu_ps(lanes, s + j);
-    const __m512 high = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(lanes, hi + j)), sj),
-                                      sixteen);
-    const __m512 low = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(lanes, lo + j)), sj);
-    const __m512 sum = _mm512_add_ps(_mm512_add_ps(high, low), _mm512_maskz_loadu_ps(lanes, bias + j));
-    _mm512_mask_storeu_ps(d + j, lanes, _mm512_mul_ps(sum, va));
+    _mm512_mask_storeu_ps(d + j, lanes, w4a8_lanes(hi + j, lo + j, s + j, bias + j, va, lanes));
+  }
+}
+
+CAM_JIT_AVX512 void dequant_w4a8_bf16(const int32_t* hi, const int32_t* lo, const float* s, const float* bias,
+                                      float a, uint16_t* y, int64_t n) {
+  const __m512 va = _mm512_set1_ps(a);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 lanes = tail_mask(n - j);
+    store_bf16(w4a8_lanes(hi + j, lo + j, s + j, bias + j, va, lanes), y + j, lanes);
   }
 }
 
@@ -132,15 +168,9 @@ CAM_JIT_AVX512 float swiglu(const float* gate, const float* up, const float* u, 
 }
 
 CAM_JIT_AVX512 void float_to_bf16(const float* v, uint16_t* y, int64_t n) {
-  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), nan = _mm512_set1_epi32(0x7FC0);
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 lanes = tail_mask(n - j);
-    const __m512 f = _mm512_maskz_loadu_ps(lanes, v + j);
-    const __m512i u = _mm512_castps_si512(f);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, bias)), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), nan);
-    _mm256_mask_storeu_epi16(y + j, lanes, _mm512_cvtepi32_epi16(r));
+    store_bf16(_mm512_maskz_loadu_ps(lanes, v + j), y + j, lanes);
   }
 }
 

@@ -66,6 +66,10 @@ struct W8A8Dequant {
   void row_avx512(int64_t r, float scale, float* out) const {
     avx512::dequant_w8a8(acc + r * ld, s, scale, out, width);
   }
+  // The same row cast to bf16 (bits).
+  void row_bf16_avx512(int64_t r, float scale, uint16_t* out) const {
+    avx512::dequant_w8a8_bf16(acc + r * ld, s, scale, out, width);
+  }
 #endif
 };
 
@@ -85,6 +89,9 @@ struct W4A8Dequant {
 #if defined(__x86_64__)
   void row_avx512(int64_t r, float scale, float* out) const {
     avx512::dequant_w4a8(hi + r * ld, lo + r * ld, s, bias, scale, out, width);
+  }
+  void row_bf16_avx512(int64_t r, float scale, uint16_t* out) const {
+    avx512::dequant_w4a8_bf16(hi + r * ld, lo + r * ld, s, bias, scale, out, width);
   }
 #endif
 };
@@ -362,6 +369,24 @@ void dequant_group_row(const GroupProduct& p, int64_t r, float scale, float* out
   dequant_row(p.w8, r, scale, out, vec);
 }
 
+// out[j] = cast(dequantised (r, p.col + j) * scale) over the group's columns (step 4.2), without a
+// float row in between for bf16 under the AVX512 variant.
+template <typename scalar_t>
+void dequant_cast_group_row(const GroupProduct& p, int64_t r, float scale, scalar_t* out, bool vec) {
+#if defined(__x86_64__)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (vec) {
+      uint16_t* const y = reinterpret_cast<uint16_t*>(out);
+      if (p.int4) return p.w4.row_bf16_avx512(r, scale, y);
+      return p.w8.row_bf16_avx512(r, scale, y);
+    }
+  }
+#endif
+  float row[kVnniGroupColumns];
+  dequant_group_row(p, r, scale, row, vec);
+  cast_row(row, out, p.cols, vec);
+}
+
 // q . W on column group g of an expert's matrix w of `width` columns, its scales s and (W4A8) biases
 // bias: acc (and, for int4, the lo products after scratch_rows(rows) rows of it) of 64 ints per row.
 // next: the group this thread runs after it (vnni_group prefetches into it).
@@ -621,10 +646,8 @@ void experts_packed(std::vector<PackedExpert>& experts, const GroupedRows& rows,
   for_each_group(experts, &PackedExpert::w2, 1, 2 * kVnniGroupColumns,
                  [&](const PackedExpert& ve, int64_t g, VnniNext next, int32_t* acc) {
                    const GroupProduct p = group_product(ve, ve.rows2, *ve.w2, ve.ex.s2, ve.ex.b2, hidden, g, next, acc);
-                   float row[kVnniGroupColumns];
                    for (int64_t r = 0; r < ve.rows; ++r) {
-                     dequant_group_row(p, r, b[ve.start + r], row, vec);
-                     cast_row(row, y + (ve.start + r) * hidden + p.col, p.cols, vec);
+                     dequant_cast_group_row(p, r, b[ve.start + r], y + (ve.start + r) * hidden + p.col, vec);
                    }
                  });
   stage.trim();
