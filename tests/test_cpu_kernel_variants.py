@@ -145,16 +145,17 @@ def expert_rows_case(variant, group_sizes, hidden, inter, seed):
 # Experts with 0 rows, rows on both sides of the AMX threshold (16), of its row pairs (32) and of
 # the VNNI row block (6); widths I that are multiples of the 64-column groups (SwiGLU in GEMM1's
 # epilogue, on x86-64 builds with MKL) and widths that are not (the gate / up boundary inside a
-# group: SwiGLU after GEMM1). The last two exceed the 2 MiB of GEMM1 output per batch of experts:
-# batches of several experts, and one expert alone over the limit (and over the 4 MiB of stage
-# buffers a thread keeps: they are freed after each such call and grown again by the next).
+# group: SwiGLU after GEMM1). The last two exceed the batch limit of their path (I = 264: 2 MiB of
+# GEMM1 output; I = 1024, fused: 7.5 MiB of stage buffer): batches of several experts, and one
+# expert alone over the limit and over the 8 MiB of stage buffer a thread keeps (freed after each
+# such call and grown again by the next).
 EXPERT_ROWS = [
     dict(group_sizes=[0, 1, 15, 16, 7, 0, 40], hidden=72, inter=40),
     dict(group_sizes=[1, 1, 1, 1], hidden=128, inter=96),
     dict(group_sizes=[0, 1, 15, 16, 7, 33], hidden=72, inter=128),
     dict(group_sizes=[3, 0, 6, 13], hidden=64, inter=8),
     dict(group_sizes=[600, 31, 5, 520, 33, 48], hidden=64, inter=264),
-    dict(group_sizes=[2, 2100], hidden=48, inter=256),
+    dict(group_sizes=[2, 2100], hidden=48, inter=1024),
 ]
 
 

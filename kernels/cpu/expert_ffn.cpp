@@ -533,8 +533,8 @@ void experts_packed(std::vector<PackedExpert>& experts, const GroupedRows& rows,
                     bool fused) {
   const bool vec = vector_kernel() == VectorKernel::kAvx512;
   const float* a = rows.scale;
-  // The stage buffer of this call, kept by the calling thread (about 4 MiB for a batch of
-  // kBatchBytes): per expert its rows of d [rows, 2I] and of -d of the gate half [rows, I], or fused,
+  // The stage buffer of this call, kept by the calling thread (4-7.5 MiB for a full batch, see
+  // ffn_on_rows): per expert its rows of d [rows, 2I] and of -d of the gate half [rows, I], or fused,
   // of h [rows, I] and of h's maxima per item [rows, I / 64]; the row scales b of GEMM2; then the
   // experts' packed activation rows of both GEMMs (64-byte aligned each).
   int64_t d_size = 0, gate_size = 0, h_size = 0;
@@ -699,19 +699,24 @@ at::Tensor ffn_on_rows(const char* name, const GroupedRows& grouped_rows, c10::I
     }
     start += rows;
   }
-  // The packed experts in batches of about kBatchBytes of GEMM1 output (at least one expert), so
-  // that the float stages between the GEMMs stay in the threads' L2 caches; fewer, larger batches
-  // have fewer parallel regions (2 MiB: 8-9 % faster than 1 MiB at BS 64-256 here).
-  constexpr int64_t kBatchBytes = 2 << 20;
-  const auto gmm1_bytes = [](const PackedExpert& pe) { return pe.rows * 2 * pe.inter * 4; };
   // SwiGLU in GEMM1's epilogue (experts_packed) where every expert allows it: 2-4 % faster at BS 1-256.
   bool fused = exp_direct_available();
   for (const PackedExpert& pe : packed_experts) fused = fused && pe.inter % kVnniGroupColumns == 0;
+  // The packed experts in batches (at least one expert each), so that the float stages between the
+  // GEMMs stay in cache; fewer, larger batches have fewer parallel regions. Unfused: about 2 MiB of
+  // GEMM1 output (8-9 % faster than 1 MiB at BS 64-256 on the Xeon). Fused, where a row keeps only
+  // h: up to 7.5 MiB of stage buffer (h and both GEMMs' rows), under the 8 MiB a thread keeps across
+  // calls (at BS 256 one batch, 1-5 % faster than batches of 2 MiB of GEMM1 output on the EPYC).
+  const int64_t batch_bytes = fused ? 15 << 19 : 2 << 20;
+  const auto expert_bytes = [&](const PackedExpert& pe) {
+    return fused ? pe.rows * (4 * pe.inter + 4 * pe.inter / kVnniGroupColumns + hidden + pe.inter)
+                 : pe.rows * 2 * pe.inter * 4;
+  };
   for (auto first = packed_experts.begin(); first != packed_experts.end();) {
     auto last = first + 1;
-    for (int64_t bytes = gmm1_bytes(*first); last != packed_experts.end() && bytes + gmm1_bytes(*last) <= kBatchBytes;
+    for (int64_t bytes = expert_bytes(*first); last != packed_experts.end() && bytes + expert_bytes(*last) <= batch_bytes;
          ++last) {
-      bytes += gmm1_bytes(*last);
+      bytes += expert_bytes(*last);
     }
     std::vector<PackedExpert> batch(first, last);
     AT_DISPATCH_REDUCED_FLOATING_TYPES(out_dtype, "expert_ffn", [&] {
