@@ -564,12 +564,14 @@ void experts_packed(std::vector<PackedExpert>& experts, const GroupedRows& rows,
     ve.rows2 = packed_rows(*ve.w2, ve.rows, ve.kernel, rows_ptr);  // set by region B
     rows_ptr += packed_rows_bytes(*ve.w2, ve.rows, ve.kernel);
   }
-  const int64_t first = experts.front().start, count = experts.back().start + experts.back().rows - first;
+  // GEMM1's activation rows, row k of the batch being row k - before of expert x.
+  int64_t count = 0;
+  for (const PackedExpert& ve : experts) count += ve.rows;
   at::parallel_for(0, count, std::max<int64_t>(1, 65536 / hidden), [&](int64_t begin, int64_t end) {
-    auto ve = experts.begin();
-    for (int64_t i = first + begin; i < first + end; ++i) {
-      while (i >= ve->start + ve->rows) ++ve;
-      set_row(ve->rows1, i - ve->start, rows.row(i));
+    int64_t x = 0, before = 0;
+    for (int64_t k = begin; k < end; ++k) {
+      while (k >= before + experts[x].rows) before += experts[x++].rows;
+      set_row(experts[x].rows1, k - before, rows.row(experts[x].start + k - before));
     }
   });
   if (fused) {
