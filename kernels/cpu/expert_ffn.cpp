@@ -589,7 +589,8 @@ void experts_packed(std::vector<PackedExpert>& experts, const GroupedRows& rows,
     for_each_group(experts, &PackedExpert::w1, 1, 2 * kVnniGroupColumns,
                    [&](const PackedExpert& ve, int64_t g, VnniNext next, int32_t* acc) {
                      const int64_t width = 2 * ve.inter;
-                     const GroupProduct p = group_product(ve, ve.rows1, *ve.w1, ve.ex.s1, ve.ex.b1, width, g, next, acc);
+                     const GroupProduct p =
+                         group_product(ve, ve.rows1, *ve.w1, ve.ex.s1, ve.ex.b1, width, g, next, acc);
                      const int64_t gate_cols = std::clamp<int64_t>(ve.inter - p.col, 0, p.cols);
                      for (int64_t r = 0; r < ve.rows; ++r) {
                        float* dr = d_ptr + ve.d_at + r * width + p.col;
@@ -702,7 +703,7 @@ at::Tensor ffn_on_rows(const char* name, const GroupedRows& grouped_rows, c10::I
     start += rows;
   }
   // SwiGLU in GEMM1's epilogue (experts_packed) where every expert allows it: 2-4 % faster at BS 1-256.
-  bool fused = exp_direct_available();
+  bool fused = !packed_experts.empty() && exp_direct_available();
   for (const PackedExpert& pe : packed_experts) fused = fused && pe.inter % kVnniGroupColumns == 0;
   // The packed experts in batches (at least one expert each), so that the float stages between the
   // GEMMs stay in cache; fewer, larger batches have fewer parallel regions. Unfused: about 2 MiB of
@@ -716,8 +717,8 @@ at::Tensor ffn_on_rows(const char* name, const GroupedRows& grouped_rows, c10::I
   };
   for (auto first = packed_experts.begin(); first != packed_experts.end();) {
     auto last = first + 1;
-    for (int64_t bytes = expert_bytes(*first); last != packed_experts.end() && bytes + expert_bytes(*last) <= batch_bytes;
-         ++last) {
+    for (int64_t bytes = expert_bytes(*first);
+         last != packed_experts.end() && bytes + expert_bytes(*last) <= batch_bytes; ++last) {
       bytes += expert_bytes(*last);
     }
     std::vector<PackedExpert> batch(first, last);
