@@ -124,6 +124,19 @@ void cast_row(const float* v, scalar_t* out, int64_t n, bool vec) {
   for (int64_t j = 0; j < n; ++j) out[j] = static_cast<scalar_t>(v[j]);
 }
 
+// out[j] = cast(dequant(r, j) * scale) over the row (step 4.2); for bf16 under the AVX512 variant
+// without a float row in between, else through `row` (scratch of dequant.width floats).
+template <typename scalar_t, typename Dequant>
+void dequant_cast_row(const Dequant& dequant, int64_t r, float scale, scalar_t* out, float* row, bool vec) {
+#if defined(__x86_64__)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (vec) return dequant.row_bf16_avx512(r, scale, reinterpret_cast<uint16_t*>(out));
+  }
+#endif
+  dequant_row(dequant, r, scale, row, vec);
+  cast_row(row, out, dequant.width, vec);
+}
+
 // Step 2.4: d[r, j] = dequant(r, j) * a[r]. Also writes -d of the gate half into neg_gate so that
 // exp can run over one contiguous block with ATen's vectorised kernel.
 template <typename Dequant>
@@ -210,10 +223,7 @@ void dequant_gmm2(const Dequant& dequant, int64_t rows, const float* b, scalar_t
   const bool vec = vector_kernel() == VectorKernel::kAvx512;
   at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
     std::vector<float> row(width);
-    for (int64_t r = begin; r < end; ++r) {
-      dequant_row(dequant, r, b[r], row.data(), vec);
-      cast_row(row.data(), out + r * width, width, vec);
-    }
+    for (int64_t r = begin; r < end; ++r) dequant_cast_row(dequant, r, b[r], out + r * width, row.data(), vec);
   });
 }
 
@@ -369,22 +379,12 @@ void dequant_group_row(const GroupProduct& p, int64_t r, float scale, float* out
   dequant_row(p.w8, r, scale, out, vec);
 }
 
-// out[j] = cast(dequantised (r, p.col + j) * scale) over the group's columns (step 4.2), without a
-// float row in between for bf16 under the AVX512 variant.
+// out[j] = cast(dequantised (r, p.col + j) * scale) over the group's columns (step 4.2).
 template <typename scalar_t>
 void dequant_cast_group_row(const GroupProduct& p, int64_t r, float scale, scalar_t* out, bool vec) {
-#if defined(__x86_64__)
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    if (vec) {
-      uint16_t* const y = reinterpret_cast<uint16_t*>(out);
-      if (p.int4) return p.w4.row_bf16_avx512(r, scale, y);
-      return p.w8.row_bf16_avx512(r, scale, y);
-    }
-  }
-#endif
   float row[kVnniGroupColumns];
-  dequant_group_row(p, r, scale, row, vec);
-  cast_row(row, out, p.cols, vec);
+  if (p.int4) return dequant_cast_row(p.w4, r, scale, out, row, vec);
+  dequant_cast_row(p.w8, r, scale, out, row, vec);
 }
 
 // q . W on column group g of an expert's matrix w of `width` columns, its scales s and (W4A8) biases
@@ -577,13 +577,14 @@ void experts_packed(std::vector<PackedExpert>& experts, const GroupedRows& rows,
   if (fused) {
     for_each_group(experts, &PackedExpert::w1, 2, 7 * kVnniGroupColumns,
                    [&](const PackedExpert& ve, int64_t i, VnniNext next, int32_t* scratch) {
-                     const int64_t half = vnni_groups(*ve.w1) / 2, part = scratch_rows(ve.rows) * kVnniGroupColumns;
+                     const int64_t parts = ve.inter / kVnniGroupColumns;  // groups per half, items per row
+                     const int64_t part = scratch_rows(ve.rows) * kVnniGroupColumns;
                      const GroupProduct gate = group_product(ve, ve.rows1, *ve.w1, ve.ex.s1, ve.ex.b1, 2 * ve.inter, i,
-                                                             VnniNext{ve.w1.get(), i + half}, scratch);
+                                                             VnniNext{ve.w1.get(), i + parts}, scratch);
                      const GroupProduct up = group_product(ve, ve.rows1, *ve.w1, ve.ex.s1, ve.ex.b1, 2 * ve.inter,
-                                                           i + half, next, scratch + 2 * part);
+                                                           i + parts, next, scratch + 2 * part);
                      swiglu_group(gate, up, ve.rows, a + ve.start, reinterpret_cast<float*>(scratch + 4 * part),
-                                  d_ptr + ve.d_at + gate.col, ve.inter, ng_ptr + ve.gate_at + i, half, vec);
+                                  d_ptr + ve.d_at + gate.col, ve.inter, ng_ptr + ve.gate_at + i, parts, vec);
                    });
   } else {
     for_each_group(experts, &PackedExpert::w1, 1, 2 * kVnniGroupColumns,
