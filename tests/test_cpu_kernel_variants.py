@@ -76,6 +76,38 @@ def test_packed_gemm_is_exact(kernel):
         assert torch.equal(got4, exact4), (kernel, "int4", m, k, n4)
 
 
+def resident_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not PACKED, reason="no packed int8 GEMM on this CPU")
+@pytest.mark.skipif(platform.system() != "Linux", reason="packed panels from 2 MiB on are mapped on Linux only")
+def test_packed_panels_of_2_mib_and_more_are_exact_and_given_back():
+    """From 2 MiB on the packed panels live in their own mapping (huge-page aligned): products on
+    them are exact, int8 and int4, and dropping the packed copies returns the memory."""
+    gen = torch.Generator().manual_seed(12)
+    q = torch.randint(-128, 128, (5, 2100), dtype=torch.int8, generator=gen)
+    w8 = torch.randint(-128, 128, (1030, 2064), dtype=torch.int8, generator=gen)  # 1088 x 2064 packed bytes
+    w4 = torch.randint(-8, 8, (2100, 2048), dtype=torch.int8, generator=gen)      # 2112 x 2048 / 2
+    hi, lo = q.long() >> 4, (q.long() & 15) - 8
+    exact4 = torch.cat([hi @ w4.long(), lo @ w4.long()]).int()
+    packed4 = cam_jit.pack_int4(w4)
+    cam_jit.clear_prepared_weights()
+    for kernel in PACKED:
+        assert torch.equal(cpu_kernels().int8_matmul(q[:, :1030].contiguous(), w8, False, kernel),
+                           (q[:, :1030].long() @ w8.long()).int()), kernel
+        assert torch.equal(cpu_kernels().int8_matmul(q, packed4, True, kernel), exact4), (kernel, "int4")
+    assert cam_jit.prepared_weights_bytes() >= 1088 * 2064 + 2112 * 2048 // 2
+    cam_jit.clear_prepared_weights()
+    before = resident_bytes()
+    for _ in range(20):
+        cpu_kernels().prepack_weight(w8, False)
+        cpu_kernels().prepack_weight(packed4, True)
+        cam_jit.clear_prepared_weights()
+    assert resident_bytes() - before < 16 << 20  # 20 x 4.4 MB were packed and dropped
+
+
 CASES = [
     dict(variant="w8a8", bs=13, hidden=72, inter=40, experts=4, topk=3, share_inter=24, minus_one_frac=0.2,
          zero_rows=[2]),
