@@ -8,8 +8,10 @@ timed in alternating blocks (`interleaved`). Printed side by side:
 - the op vs per-expert `torch._int_mm` on the op's own rows (the two GEMMs of every active expert,
   nothing else), per batch size, and at BS 1 the fraction of the memory roofline it reaches
   (active experts' weight bytes / the measured read bandwidth of this machine);
-- W4A8 vs W8A8 (the op on the same tokens, int4 weights packed 8 per int32), and the share of the
-  W8A8 op spent in its own integer products (cam_jit's prepacked kernels on the op's rows): W4A8
+- W4A8 vs W8A8 (the op on the same tokens, int4 weights packed 8 per int32), the share of the
+  W8A8 op spent in its own integer products (cam_jit's prepacked kernels on the op's rows), and
+  those products' multiply-accumulates per second as a fraction of this CPU's VNNI peak (a loop of
+  register-only `vpdpbusd` on as many threads, compiled here with the C compiler on PATH): W4A8
   multiplies the high and the low nibbles of every activation separately (docs/semantics.md
   §1.9), two exact integer products where W8A8 has one, and this CPU has no int4 multiply; where
   the products are compute-bound (many rows per expert) that share tells how far W4A8 can get;
@@ -145,6 +147,65 @@ def interleaved(fns, reps, blocks=2):
                 fn(step % LAYERS)
                 times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+VNNI_PEAK_C = r"""
+#include <immintrin.h>
+#include <omp.h>
+/* 16 independent accumulators in named registers (an array would live on the stack). */
+__attribute__((target("avx512f,avx512vnni"))) static int dpbusd_loop(long iters) {
+  __m512i a = _mm512_set1_epi32(0x01010101), b = _mm512_set1_epi32(0x02020202);
+  __m512i c0 = a, c1 = a, c2 = a, c3 = a, c4 = a, c5 = a, c6 = a, c7 = a;
+  __m512i c8 = a, c9 = a, c10 = a, c11 = a, c12 = a, c13 = a, c14 = a, c15 = a;
+  for (long n = 0; n < iters; ++n) {
+#define DP(c) __asm__ volatile("vpdpbusd %2, %1, %0" : "+v"(c) : "v"(a), "v"(b));
+    DP(c0) DP(c1) DP(c2) DP(c3) DP(c4) DP(c5) DP(c6) DP(c7) DP(c8) DP(c9) DP(c10) DP(c11) DP(c12) DP(c13) DP(c14)
+    DP(c15)
+  }
+  __m512i s = _mm512_add_epi32(_mm512_add_epi32(_mm512_add_epi32(c0, c1), _mm512_add_epi32(c2, c3)),
+                               _mm512_add_epi32(_mm512_add_epi32(c4, c5), _mm512_add_epi32(c6, c7)));
+  s = _mm512_add_epi32(s, _mm512_add_epi32(_mm512_add_epi32(_mm512_add_epi32(c8, c9), _mm512_add_epi32(c10, c11)),
+                                           _mm512_add_epi32(_mm512_add_epi32(c12, c13), _mm512_add_epi32(c14, c15))));
+  return _mm512_reduce_add_epi32(s);
+}
+/* Multiply-accumulates per second (in units of 1e9) of `threads` threads each running the loop. */
+double vnni_gmacs(int threads, long iters) {
+  int sink = 0;
+  double start = omp_get_wtime();
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+  sink += dpbusd_loop(iters);
+  double seconds = omp_get_wtime() - start;
+  return 64.0 * 16 * iters * threads / seconds / 1e9 + (sink == 1 ? 1e-9 : 0.0);
+}
+"""
+
+
+def vnni_peak(threads: int):
+    """GMAC/s of `threads` threads each issuing register-only vpdpbusd (16 independent zmm
+    accumulators: the VNNI units' throughput, no memory), best of 5; None without AVX512-VNNI or a
+    C compiler."""
+    import ctypes
+    import shutil
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if "avx512_vnni" not in flags or compiler is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        source, library = Path(tmp) / "peak.c", Path(tmp) / "peak.so"
+        source.write_text(VNNI_PEAK_C)
+        built = subprocess.run([compiler, "-O2", "-fopenmp", "-shared", "-fPIC", "-o", str(library), str(source)],
+                               capture_output=True, text=True)
+        if built.returncode:
+            print(f"(no VNNI peak: {compiler} failed: {built.stderr.strip()[-300:]})")
+            return None
+        peak = ctypes.CDLL(str(library)).vnni_gmacs
+        peak.restype, peak.argtypes = ctypes.c_double, (ctypes.c_int, ctypes.c_long)
+        return max(peak(threads, 10_000_000) for _ in range(5))
 
 
 def cpu_model() -> str:
@@ -403,10 +464,12 @@ def main(argv=None):
     w8, w4 = make_layers(), make_layers(w4a8=True)
     tokens = {bs: make_tokens(bs) for bs in args.bs}
     bandwidth = read_bandwidth(args.threads)
+    peak = vnni_peak(args.threads)
 
-    print("\nop vs per-expert torch._int_mm on the same rows (W8A8); W4A8; W8A8's own integer products alone")
+    print("\nop vs per-expert torch._int_mm on the same rows (W8A8); W4A8; W8A8's own integer products alone"
+          + (f"; VNNI peak of {args.threads} threads: {peak:.0f} GMAC/s (register-only vpdpbusd)" if peak else ""))
     print(f"{'BS':>5} {'op ms':>9} {'_int_mm ms':>11} {'op/_int_mm':>11} {'W4A8 ms':>9} {'W4A8/W8A8':>10} "
-          f"{'products ms':>12} {'share of op':>12}")
+          f"{'products ms':>12} {'share of op':>12} {'of peak':>8}")
     figures = {}
     with torch.inference_mode():
         for bs, (x, ids, scales) in tokens.items():
@@ -418,6 +481,8 @@ def main(argv=None):
             figures[bs] = t
             share = (f"{t['products'] * 1e3:>12.3f} {t['products'] / t['op']:>12.0%}" if "products" in t
                      else f"{'-':>12} {'-':>12}")
+            macs = int((ids >= 0).sum()) * 3 * H * I  # rows x (H x 2I + I x H) over the active experts
+            share += f" {macs / t['products'] / 1e9 / peak:>8.0%}" if peak and "products" in t else f" {'-':>8}"
             print(f"{bs:>5} {t['op'] * 1e3:>9.3f} {t['int_mm'] * 1e3:>11.3f} {t['op'] / t['int_mm']:>10.2f}x "
                   f"{t['w4a8'] * 1e3:>9.3f} {t['w4a8'] / t['op']:>9.2f}x {share}")
         decode = 1 in tokens  # the roofline and Python targets are at BS 1
