@@ -361,11 +361,14 @@ CAM_JIT_AVX512 inline __m512i dpbusd(__m512i acc, __m512i u8, __m512i s8) {
 }
 
 // How far ahead of the current k step the VNNI kernels prefetch in each panel they stream, and into
-// which cache (kVnniL1: L1, kVnni: L2; kNone for a row block that finds the panels in L2): at M <= 6
-// they are bound by memory latency, and the hardware prefetcher alone keeps too few lines in flight
-// over 4 concurrent panels. Into L2, int4 panels go 4 KiB ahead: on an AMD EPYC that made the W4A8
-// op 6-13 % faster at one row per expert than 1 KiB (8 KiB: level with 4), where int8 panels gain
-// nothing from more than 1 KiB.
+// which cache (kVnniL1: L1, kVnni: L2; kNone for a row block that finds the panels in L2, and under
+// kVnni for int8 panels streamed by a single row block). At M <= 6 they are bound by memory latency.
+// On a Xeon the hardware prefetcher alone kept too few lines in flight over 4 concurrent panels;
+// on an AMD EPYC, with the panels in huge pages, it streams int8 panels faster alone (the W8A8 op
+// at one row per expert: 0.84-0.93x the time without the prefetch, level at 4 rows), while int4
+// panels need it (the W4A8 op 1.28-1.34x the time without). Into L2, int4 panels go 4 KiB ahead:
+// on the EPYC that made the W4A8 op 6-13 % faster at one row per expert than 1 KiB (8 KiB: level
+// with 4); int8 panels gained nothing from more than 1 KiB.
 enum class Ahead { kNone, kL1, kL2 };
 template <Ahead kAhead, bool kInt4>
 constexpr int64_t kPrefetchBytes = kAhead == Ahead::kL1 ? 2048 : kInt4 ? 4096 : 1024;
@@ -760,8 +763,9 @@ int64_t vnni_groups(const PackedMatrix& w) { return (w.np / kBlockN + kVnniNr - 
 void vnni_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_t* acc, int32_t* lo_acc,
                 int64_t ld, GemmKernel kernel, VnniNext next) {
 #if defined(CAM_JIT_X86)
-  const Ahead prefetch = kernel == GemmKernel::kVnniL1 ? Ahead::kL1 : Ahead::kL2;
   const int64_t m = rows.m;
+  const bool hardware_alone = kernel == GemmKernel::kVnni && !w.int4 && m <= kVnniMrI8;
+  const Ahead prefetch = kernel == GemmKernel::kVnniL1 ? Ahead::kL1 : hardware_alone ? Ahead::kNone : Ahead::kL2;
   const int64_t b = g * kVnniNr;
   const int nr = static_cast<int>(std::min<int64_t>(kVnniNr, w.np / kBlockN - b));
   const int64_t ncols = std::min<int64_t>(nr * kBlockN, w.n - b * kBlockN);
