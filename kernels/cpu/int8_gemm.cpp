@@ -361,17 +361,17 @@ CAM_JIT_AVX512 inline __m512i dpbusd(__m512i acc, __m512i u8, __m512i s8) {
 }
 
 // How far ahead of the current k step the VNNI kernels prefetch in each panel they stream, and into
-// which cache (kVnniL1: L1, kVnni: L2; kNone for a row block that finds the panels in L2, and under
-// kVnni for int8 panels streamed by a single row block). At M <= 6 they are bound by memory latency.
-// On a Xeon the hardware prefetcher alone kept too few lines in flight over 4 concurrent panels;
-// on an AMD EPYC, with the panels in huge pages, it streams int8 panels faster alone (the W8A8 op
-// at one row per expert: 0.84-0.93x the time without the prefetch, level at 4 rows), while int4
-// panels need it (the W4A8 op 1.28-1.34x the time without). Into L2, int4 panels go 4 KiB ahead:
-// on the EPYC that made the W4A8 op 6-13 % faster at one row per expert than 1 KiB (8 KiB: level
-// with 4); int8 panels gained nothing from more than 1 KiB.
+// which cache (kNone: no software prefetch; see vnni_group for which row block does which). At
+// M <= 6 they are bound by memory latency. On a Xeon the hardware prefetcher alone kept too few
+// lines in flight over 4 concurrent panels; on an AMD EPYC, with the panels in huge pages, it
+// streams int8 panels of a lone row block faster alone (the W8A8 op at one row per expert:
+// 0.84-0.93x the time without the prefetch, level at 4 rows), while int4 panels need it (the W4A8
+// op 1.28-1.34x the time without), 4 KiB ahead into L2 (6-13 % faster than 1 KiB; 8 KiB: level).
+// The first of several row blocks prefetching into L1 rather than L2 made the op 2-4 % faster at
+// BS 64 and 256 on the EPYC (W4A8: 4-13 % at BS 8, 2-5 % at 64, level at 256).
 enum class Ahead { kNone, kL1, kL2 };
 template <Ahead kAhead, bool kInt4>
-constexpr int64_t kPrefetchBytes = kAhead == Ahead::kL1 ? 2048 : kInt4 ? 4096 : 1024;
+constexpr int64_t kPrefetchBytes = kAhead == Ahead::kL1 ? 2048 : 4096;  // kL2: int4 panels only
 
 // Bytes of one packed 16-column panel of w (int4: two weights a byte).
 int64_t vnni_panel_bytes(const PackedMatrix& w) { return w.kp * kBlockN / (w.int4 ? 2 : 1); }
@@ -511,9 +511,8 @@ void dispatch_block(int mr, int nr, Args... args) {
 template <int MR, int NR>
 struct VnniI8 {
   template <typename... Args>
-  static void run(Ahead ahead, Args... args) {
+  static void run(Ahead ahead, Args... args) {  // int8 panels are prefetched into L1 or not at all
     if (ahead == Ahead::kL1) return vnni_i8_block<MR, NR, Ahead::kL1>(args...);
-    if (ahead == Ahead::kL2) return vnni_i8_block<MR, NR, Ahead::kL2>(args...);
     vnni_i8_block<MR, NR, Ahead::kNone>(args...);
   }
 };
@@ -764,8 +763,6 @@ void vnni_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_
                 int64_t ld, GemmKernel kernel, VnniNext next) {
 #if defined(CAM_JIT_X86)
   const int64_t m = rows.m;
-  const bool hardware_alone = kernel == GemmKernel::kVnni && !w.int4 && m <= kVnniMrI8;
-  const Ahead prefetch = kernel == GemmKernel::kVnniL1 ? Ahead::kL1 : hardware_alone ? Ahead::kNone : Ahead::kL2;
   const int64_t b = g * kVnniNr;
   const int nr = static_cast<int>(std::min<int64_t>(kVnniNr, w.np / kBlockN - b));
   const int64_t ncols = std::min<int64_t>(nr * kBlockN, w.n - b * kBlockN);
@@ -788,10 +785,18 @@ void vnni_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_
     }
   }
   const int64_t steps = w.kp / (w.int4 ? 8 : 4);  // k steps of a row block, a panel line each
-  // Into L2 only the first row block prefetches ahead: the others find the panels there.
-  auto block_ahead = [&](int64_t r) { return prefetch == Ahead::kL2 && r > 0 ? Ahead::kNone : prefetch; };
+  // kVnniL1: every row block prefetches into L1. kVnni: a lone row block streams int8 panels with the
+  // hardware prefetcher alone and int4 panels into L2; of several row blocks the first prefetches
+  // into L1 (the others find the panels in L2).
+  const int64_t rows_per_block = w.int4 ? kVnniMrI4 : kVnniMrI8;
+  auto block_ahead = [&](int64_t r) {
+    if (kernel == GemmKernel::kVnniL1) return Ahead::kL1;
+    if (r > 0) return Ahead::kNone;
+    if (m > rows_per_block) return Ahead::kL1;
+    return w.int4 ? Ahead::kL2 : Ahead::kNone;
+  };
   // Row block i (at row r, `rows_per_block` apart): `last`, or `again` with its stretch of the next group.
-  auto block_prefetch = [&](int64_t r, int64_t rows_per_block, int mr) {
+  auto block_prefetch = [&](int64_t r, int mr) {
     if (r + mr == m) return last;
     PanelPrefetch p = again;
     const int64_t at = r / rows_per_block * steps * 64;
@@ -807,7 +812,7 @@ void vnni_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_
     for (int64_t r = 0; r < m; r += kVnniMrI8) {
       const int mr = static_cast<int>(std::min<int64_t>(kVnniMrI8, m - r));
       dispatch_block<kVnniMrI8, kVnniNr, VnniI8>(mr, nr, block_ahead(r), a + r * w.kp, w.kp,
-                                                 block_prefetch(r, kVnniMrI8, mr), steps, comp, acc + r * ld, ld,
+                                                 block_prefetch(r, mr), steps, comp, acc + r * ld, ld,
                                                  ncols);
     }
     return;
@@ -819,7 +824,7 @@ void vnni_group(const PackedRows& rows, const PackedMatrix& w, int64_t g, int32_
   for (int64_t r = 0; r < m; r += kVnniMrI4) {
     const int mr = static_cast<int>(std::min<int64_t>(kVnniMrI4, m - r));
     dispatch_block<kVnniMrI4, kVnniNr, VnniI4>(mr, nr, block_ahead(r), hi + r * w.kp, lo + r * w.kp, w.kp,
-                                               block_prefetch(r, kVnniMrI4, mr), steps, hi_sum8 + r, lo_sum8 + r,
+                                               block_prefetch(r, mr), steps, hi_sum8 + r, lo_sum8 + r,
                                                acc + r * ld, lo_acc + r * ld, ld, ncols);
   }
 #else

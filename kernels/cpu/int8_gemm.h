@@ -15,8 +15,9 @@ namespace cam_jit_cpu {
 
 // The GEMM of the expert matmuls. kIntMm: ATen `_int_mm` on the weights as stored (portable).
 // kVnni: AVX512-VNNI (vpdpbusd) on prepacked weights, prefetching ahead in the weight panels it
-// streams into L2 (int8 panels of a single row block: the hardware prefetcher alone). kAmx: AMX int8
-// tiles on prepacked weights. kVnniL1: kVnni prefetching into L1, every panel.
+// streams (a lone row block: int4 panels into L2, int8 panels by the hardware prefetcher alone; the
+// first of several row blocks: into L1). kAmx: AMX int8 tiles on prepacked weights. kVnniL1: kVnni
+// prefetching into L1 in every row block.
 enum class GemmKernel { kIntMm = 0, kVnni = 1, kAmx = 2, kVnniL1 = 3 };
 inline bool is_vnni(GemmKernel k) { return k == GemmKernel::kVnni || k == GemmKernel::kVnniL1; }
 // The element-wise stages (quantisation, dequantisation, SwiGLU). kScalar: portable loops.
