@@ -153,10 +153,13 @@ def interleaved(fns, reps, blocks=2):
 
 
 VNNI_PEAK_C = r"""
+#define _GNU_SOURCE
 #include <immintrin.h>
 #include <omp.h>
-/* 16 independent accumulators in named registers (an array would live on the stack). */
-__attribute__((target("avx512f,avx512vnni"))) static int dpbusd_loop(long iters) {
+#include <sched.h>
+/* 16 independent accumulators in named registers (an array would live on the stack); the volatile
+   asm keeps every vpdpbusd. */
+__attribute__((target("avx512f,avx512vnni"))) static void dpbusd_loop(long iters) {
   __m512i a = _mm512_set1_epi32(0x01010101), b = _mm512_set1_epi32(0x02020202);
   __m512i c0 = a, c1 = a, c2 = a, c3 = a, c4 = a, c5 = a, c6 = a, c7 = a;
   __m512i c8 = a, c9 = a, c10 = a, c11 = a, c12 = a, c13 = a, c14 = a, c15 = a;
@@ -165,20 +168,26 @@ __attribute__((target("avx512f,avx512vnni"))) static int dpbusd_loop(long iters)
     DP(c0) DP(c1) DP(c2) DP(c3) DP(c4) DP(c5) DP(c6) DP(c7) DP(c8) DP(c9) DP(c10) DP(c11) DP(c12) DP(c13) DP(c14)
     DP(c15)
   }
-  __m512i s = _mm512_add_epi32(_mm512_add_epi32(_mm512_add_epi32(c0, c1), _mm512_add_epi32(c2, c3)),
-                               _mm512_add_epi32(_mm512_add_epi32(c4, c5), _mm512_add_epi32(c6, c7)));
-  s = _mm512_add_epi32(s, _mm512_add_epi32(_mm512_add_epi32(_mm512_add_epi32(c8, c9), _mm512_add_epi32(c10, c11)),
-                                           _mm512_add_epi32(_mm512_add_epi32(c12, c13), _mm512_add_epi32(c14, c15))));
-  return _mm512_reduce_add_epi32(s);
 }
-/* Multiply-accumulates per second (in units of 1e9) of `threads` threads each running the loop. */
+/* Multiply-accumulates per second (in units of 1e9) of `threads` threads each running the loop, thread
+   i on the i-th CPU the process may use (left to the scheduler, two threads sometimes share a core
+   for the whole run); every thread's affinity is restored after. */
 double vnni_gmacs(int threads, long iters) {
-  int sink = 0;
+  cpu_set_t allowed;
+  sched_getaffinity(0, sizeof allowed, &allowed);
   double start = omp_get_wtime();
-#pragma omp parallel num_threads(threads) reduction(+ : sink)
-  sink += dpbusd_loop(iters);
-  double seconds = omp_get_wtime() - start;
-  return 64.0 * 16 * iters * threads / seconds / 1e9 + (sink == 1 ? 1e-9 : 0.0);
+#pragma omp parallel num_threads(threads)
+  {
+    cpu_set_t own;
+    CPU_ZERO(&own);
+    for (int cpu = 0, seen = 0; cpu < CPU_SETSIZE; ++cpu) {
+      if (CPU_ISSET(cpu, &allowed) && seen++ == omp_get_thread_num() % CPU_COUNT(&allowed)) CPU_SET(cpu, &own);
+    }
+    sched_setaffinity(0, sizeof own, &own);
+    dpbusd_loop(iters);
+    sched_setaffinity(0, sizeof allowed, &allowed);
+  }
+  return 64.0 * 16 * iters * threads / (omp_get_wtime() - start) / 1e9;
 }
 """
 
@@ -190,13 +199,8 @@ def vnni_peak(threads: int):
     import ctypes
     import shutil
 
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return None
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if "avx512_vnni" not in flags or compiler is None:
+    if "avx512_vnni" not in (cpuinfo_field("flags") or "").split() or compiler is None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
         source, library = Path(tmp) / "peak.c", Path(tmp) / "peak.so"
@@ -211,16 +215,21 @@ def vnni_peak(threads: int):
         return max(peak(threads, 10_000_000) for _ in range(5))
 
 
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (the machine's processor where that is absent)."""
+def cpuinfo_field(name: str):
+    """The value of the first `name` line of /proc/cpuinfo, or None where there is none."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
+                if line.startswith(name):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (the machine's processor where that is absent)."""
+    return cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 def read_bandwidth(threads: int) -> float:

@@ -6,6 +6,7 @@ prepack cache follows in-place weight updates, the preparation API, and the argu
 internal ops."""
 import contextlib
 import dataclasses
+import os
 import platform
 
 import pytest
@@ -78,7 +79,7 @@ def test_packed_gemm_is_exact(kernel):
 
 def resident_bytes():
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 @pytest.mark.skipif(not PACKED, reason="no packed int8 GEMM on this CPU")

@@ -28,10 +28,13 @@
 #include <utility>
 #include <vector>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 #if defined(__x86_64__)
 #include <cpuid.h>
 #include <immintrin.h>
-#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #define CAM_JIT_X86 1
@@ -370,7 +373,7 @@ CAM_JIT_AVX512 inline __m512i dpbusd(__m512i acc, __m512i u8, __m512i s8) {
 // The first of several row blocks prefetching into L1 rather than L2 made the op 2-4 % faster at
 // BS 64 and 256 on the EPYC (W4A8: 4-13 % at BS 8, 2-5 % at 64, level at 256).
 enum class Ahead { kNone, kL1, kL2 };
-template <Ahead kAhead, bool kInt4>
+template <Ahead kAhead>
 constexpr int64_t kPrefetchBytes = kAhead == Ahead::kL1 ? 2048 : 4096;  // kL2: int4 panels only
 
 // Bytes of one packed 16-column panel of w (int4: two weights a byte).
@@ -392,10 +395,10 @@ struct PanelPrefetch {
   const uint8_t* l2 = nullptr;
   int64_t l2_steps = 0;
   // Prefetches the line kPrefetchBytes past byte `at` of each of the first nr panels.
-  template <Ahead kAhead, bool kInt4>
+  template <Ahead kAhead>
   CAM_JIT_AVX512 void ahead(int64_t at, int nr) const {
     if constexpr (kAhead == Ahead::kNone) return;
-    constexpr int64_t distance = kPrefetchBytes<kAhead, kInt4>;
+    constexpr int64_t distance = kPrefetchBytes<kAhead>;
     const int64_t wrap = panel_bytes - distance;
     const uint8_t* line = at < wrap ? panel + at + distance : next + (at - wrap);
     const int64_t stride = at < wrap ? panel_bytes : next_bytes;
@@ -417,7 +420,7 @@ CAM_JIT_AVX512 void vnni_i8_block(const uint8_t* a, int64_t lda, PanelPrefetch p
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_si512();
   for (int64_t k4 = 0; k4 < k4s; ++k4) {
-    panels.ahead<kAhead, false>(k4 * 64, NR);
+    panels.ahead<kAhead>(k4 * 64, NR);
     panels.to_l2(k4);
     __m512i w[NR];
     for (int j = 0; j < NR; ++j) {
@@ -457,7 +460,7 @@ CAM_JIT_AVX512 void vnni_i4_block(const int8_t* hi, const int8_t* lo, int64_t ld
       for (int j = 0; j < NR; ++j) acc_hi[s][i][j] = acc_lo[s][i][j] = _mm512_setzero_si512();
   const __m512i low4 = _mm512_set1_epi8(15);
   for (int64_t k8 = 0; k8 < k8s; ++k8) {
-    panels.ahead<kAhead, true>(k8 * 64, NR);
+    panels.ahead<kAhead>(k8 * 64, NR);
     panels.to_l2(k8);
     __m512i w0[NR], w1[NR];
     for (int j = 0; j < NR; ++j) {
