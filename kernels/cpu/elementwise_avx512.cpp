@@ -174,12 +174,25 @@ CAM_JIT_AVX512 void float_to_bf16(const float* v, uint16_t* y, int64_t n) {
   }
 }
 
-CAM_JIT_AVX512 void accumulate_bf16(const uint16_t* y, float w, float* acc, int64_t n) {
-  const __m512 vw = _mm512_set1_ps(w);
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 lanes = tail_mask(n - j);
-    const __m512 p = _mm512_mul_ps(load_bf16(y + j, lanes), vw);
-    _mm512_mask_storeu_ps(acc + j, lanes, _mm512_add_ps(_mm512_maskz_loadu_ps(lanes, acc + j), p));
+// 64 columns at a time in registers: the rows stream side by side and no float row goes through
+// memory.
+CAM_JIT_AVX512 void combine_bf16(const uint16_t* const* rows, const float* w, int64_t count, uint16_t* out,
+                                 int64_t n) {
+  constexpr int kVectors = 4;
+  for (int64_t j0 = 0; j0 < n; j0 += 16 * kVectors) {
+    __m512 acc[kVectors];
+    __mmask16 lanes[kVectors];
+    for (int v = 0; v < kVectors; ++v) {
+      acc[v] = _mm512_setzero_ps();
+      lanes[v] = j0 + 16 * v < n ? tail_mask(n - j0 - 16 * v) : 0;
+    }
+    for (int64_t k = 0; k < count; ++k) {
+      const __m512 vw = _mm512_set1_ps(w[k]);
+      for (int v = 0; v < kVectors; ++v) {
+        acc[v] = _mm512_add_ps(acc[v], _mm512_mul_ps(load_bf16(rows[k] + j0 + 16 * v, lanes[v]), vw));
+      }
+    }
+    for (int v = 0; v < kVectors; ++v) store_bf16(acc[v], out + j0 + 16 * v, lanes[v]);
   }
 }
 

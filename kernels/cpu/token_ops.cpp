@@ -171,32 +171,32 @@ at::Tensor combine_into(const at::Tensor& yc, const int64_t* pr_ptr, const float
     at::parallel_for(0, active_count, grain, [&](int64_t begin, int64_t end) {
       thread_local KeptBuffer row_space;
       float* const acc = row_space.get<float>(hidden);
+      std::vector<const uint16_t*> rows(topk);
+      std::vector<float> row_weights(topk);
       for (int64_t t = begin; t < end; ++t) {
-        std::fill(acc, acc + hidden, 0.f);
+        int64_t count = 0;
         for (int64_t k = 0; k < topk; ++k) {
           const int64_t row = pr_ptr[t * topk + k];
           if (row < 0) continue;
           TORCH_CHECK(row < y_rows, "_cam_jit_cpu::combine: pair row ", row, " >= ", y_rows);
-          const float w = w_ptr[t * topk + k];
-          const scalar_t* yr = y_ptr + row * hidden;
-#if defined(__x86_64__)
-          if (bf16 && vec) {
-            avx512::accumulate_bf16(reinterpret_cast<const uint16_t*>(yr), w, acc, hidden);
-            continue;
-          }
-#endif
-          for (int64_t j = 0; j < hidden; ++j) {
-            const float p = static_cast<float>(yr[j]) * w;
-            acc[j] = acc[j] + p;
-          }
+          rows[count] = reinterpret_cast<const uint16_t*>(y_ptr + row * hidden);
+          row_weights[count++] = w_ptr[t * topk + k];
         }
         scalar_t* orow = out_ptr + t * hidden;
 #if defined(__x86_64__)
         if (bf16 && vec) {
-          avx512::float_to_bf16(acc, reinterpret_cast<uint16_t*>(orow), hidden);
+          avx512::combine_bf16(rows.data(), row_weights.data(), count, reinterpret_cast<uint16_t*>(orow), hidden);
           continue;
         }
 #endif
+        std::fill(acc, acc + hidden, 0.f);
+        for (int64_t k = 0; k < count; ++k) {
+          const scalar_t* yr = reinterpret_cast<const scalar_t*>(rows[k]);
+          for (int64_t j = 0; j < hidden; ++j) {
+            const float p = static_cast<float>(yr[j]) * row_weights[k];
+            acc[j] = acc[j] + p;
+          }
+        }
         for (int64_t j = 0; j < hidden; ++j) {
           orow[j] = static_cast<scalar_t>(acc[j]);
         }
