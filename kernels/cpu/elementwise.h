@@ -16,19 +16,25 @@ float abs_max(const float* v, int64_t n);
 void bf16_to_float(const uint16_t* x, const float* smooth, float* v, int64_t n);
 // q[j] = round_to_int8(v[j] * s) (pre == 0), or round_to_int8((v[j] * pre) * s).
 void quantize(const float* v, float pre, float s, int8_t* q, int64_t n);
+// The dequantisations below run over `rows` rows of n values: row r of the int32 products at
+// r * ld_acc, row r of the output at r * ld_d (ld_y), a[r] the row's scale.
 // d[j] = (f32(acc[j]) * s[j]) * a.
-void dequant_w8a8(const int32_t* acc, const float* s, float a, float* d, int64_t n);
+void dequant_w8a8(const int32_t* acc, int64_t ld_acc, const float* s, const float* a, int64_t rows, float* d,
+                  int64_t ld_d, int64_t n);
 // d[j] = ((((f32(hi[j]) * s[j]) * 16) + f32(lo[j]) * s[j]) + bias[j]) * a.
-void dequant_w4a8(const int32_t* hi, const int32_t* lo, const float* s, const float* bias, float a, float* d,
-                  int64_t n);
+void dequant_w4a8(const int32_t* hi, const int32_t* lo, int64_t ld_acc, const float* s, const float* bias,
+                  const float* a, int64_t rows, float* d, int64_t ld_d, int64_t n);
 // y[j] = bf16 of dequant_w8a8's d[j] / dequant_w4a8's d[j] (float_to_bf16's rounding).
-void dequant_w8a8_bf16(const int32_t* acc, const float* s, float a, uint16_t* y, int64_t n);
-void dequant_w4a8_bf16(const int32_t* hi, const int32_t* lo, const float* s, const float* bias, float a, uint16_t* y,
-                       int64_t n);
+void dequant_w8a8_bf16(const int32_t* acc, int64_t ld_acc, const float* s, const float* a, int64_t rows, uint16_t* y,
+                       int64_t ld_y, int64_t n);
+void dequant_w4a8_bf16(const int32_t* hi, const int32_t* lo, int64_t ld_acc, const float* s, const float* bias,
+                       const float* a, int64_t rows, uint16_t* y, int64_t ld_y, int64_t n);
 // out[j] = -v[j].
 void negate(const float* v, float* out, int64_t n);
-// h[j] = (gate[j] / (u[j] + 1)) * up[j]; returns the abs_max fold of h.
-float swiglu(const float* gate, const float* up, const float* u, float* h, int64_t n);
+// Over `rows` rows of n values (gate, up and u row r at r * ld_in, h row r at r * ld_h):
+// h[j] = (gate[j] / (u[j] + 1)) * up[j], and m[r * ld_m] the abs_max fold of h's row r.
+void swiglu(const float* gate, const float* up, const float* u, int64_t ld_in, int64_t rows, float* h, int64_t ld_h,
+            float* m, int64_t ld_m, int64_t n);
 // y[j] = bf16(v[j]) (c10 rounding: RNE, NaN -> 0x7FC0).
 void float_to_bf16(const float* v, uint16_t* y, int64_t n);
 // out[j] = bf16((((0 + f32(rows[0][j]) * w[0]) + f32(rows[1][j]) * w[1]) + ...) over `count` rows, each

@@ -110,37 +110,50 @@ CAM_JIT_AVX512 void quantize(const float* v, float pre, float s, int8_t* q, int6
   }
 }
 
-CAM_JIT_AVX512 void dequant_w8a8(const int32_t* acc, const float* s, float a, float* d, int64_t n) {
-  const __m512 va = _mm512_set1_ps(a);
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 lanes = tail_mask(n - j);
-    _mm512_mask_storeu_ps(d + j, lanes, w8a8_lanes(acc + j, s + j, va, lanes));
+CAM_JIT_AVX512 void dequant_w8a8(const int32_t* acc, int64_t ld_acc, const float* s, const float* a, int64_t rows,
+                                 float* d, int64_t ld_d, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 va = _mm512_set1_ps(a[r]);
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 lanes = tail_mask(n - j);
+      _mm512_mask_storeu_ps(d + r * ld_d + j, lanes, w8a8_lanes(acc + r * ld_acc + j, s + j, va, lanes));
+    }
   }
 }
 
-CAM_JIT_AVX512 void dequant_w8a8_bf16(const int32_t* acc, const float* s, float a, uint16_t* y, int64_t n) {
-  const __m512 va = _mm512_set1_ps(a);
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 lanes = tail_mask(n - j);
-    store_bf16(w8a8_lanes(acc + j, s + j, va, lanes), y + j, lanes);
+CAM_JIT_AVX512 void dequant_w8a8_bf16(const int32_t* acc, int64_t ld_acc, const float* s, const float* a,
+                                      int64_t rows, uint16_t* y, int64_t ld_y, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 va = _mm512_set1_ps(a[r]);
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 lanes = tail_mask(n - j);
+      store_bf16(w8a8_lanes(acc + r * ld_acc + j, s + j, va, lanes), y + r * ld_y + j, lanes);
+    }
   }
 }
 
-CAM_JIT_AVX512 void dequant_w4a8(const int32_t* hi, const int32_t* lo, const float* s, const float* bias, float a,
-                                 float* d, int64_t n) {
-  const __m512 va = _mm512_set1_ps(a);
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 lanes = tail_mask(n - j);
-    _mm512_mask_storeu_ps(d + j, lanes, w4a8_lanes(hi + j, lo + j, s + j, bias + j, va, lanes));
+CAM_JIT_AVX512 void dequant_w4a8(const int32_t* hi, const int32_t* lo, int64_t ld_acc, const float* s, const float* bias,
+                                 const float* a, int64_t rows, float* d, int64_t ld_d, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 va = _mm512_set1_ps(a[r]);
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 lanes = tail_mask(n - j);
+      _mm512_mask_storeu_ps(d + r * ld_d + j, lanes,
+                            w4a8_lanes(hi + r * ld_acc + j, lo + r * ld_acc + j, s + j, bias + j, va, lanes));
+    }
   }
 }
 
-CAM_JIT_AVX512 void dequant_w4a8_bf16(const int32_t* hi, const int32_t* lo, const float* s, const float* bias,
-                                      float a, uint16_t* y, int64_t n) {
-  const __m512 va = _mm512_set1_ps(a);
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 lanes = tail_mask(n - j);
-    store_bf16(w4a8_lanes(hi + j, lo + j, s + j, bias + j, va, lanes), y + j, lanes);
+CAM_JIT_AVX512 void dequant_w4a8_bf16(const int32_t* hi, const int32_t* lo, int64_t ld_acc, const float* s,
+                                      const float* bias, const float* a, int64_t rows, uint16_t* y, int64_t ld_y,
+                                      int64_t n) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 va = _mm512_set1_ps(a[r]);
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 lanes = tail_mask(n - j);
+      store_bf16(w4a8_lanes(hi + r * ld_acc + j, lo + r * ld_acc + j, s + j, bias + j, va, lanes), y + r * ld_y + j,
+                 lanes);
+    }
   }
 }
 
@@ -153,18 +166,25 @@ CAM_JIT_AVX512 void negate(const float* v, float* out, int64_t n) {
   }
 }
 
-CAM_JIT_AVX512 float swiglu(const float* gate, const float* up, const float* u, float* h, int64_t n) {
+CAM_JIT_AVX512 void swiglu(const float* gate, const float* up, const float* u, int64_t ld_in, int64_t rows, float* h,
+                           int64_t ld_h, float* m, int64_t ld_m, int64_t n) {
   const __m512 one = _mm512_set1_ps(1.f);
-  MaxAcc acc{_mm512_setzero_ps(), 0};
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 lanes = tail_mask(n - j);
-    const __m512 denom = _mm512_add_ps(_mm512_maskz_loadu_ps(lanes, u + j), one);
-    const __m512 g = _mm512_div_ps(_mm512_maskz_loadu_ps(lanes, gate + j), denom);
-    const __m512 hv = _mm512_mul_ps(g, _mm512_maskz_loadu_ps(lanes, up + j));
-    _mm512_mask_storeu_ps(h + j, lanes, hv);
-    max_step(acc, hv, lanes);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g_row = gate + r * ld_in;
+    const float* up_row = up + r * ld_in;
+    const float* u_row = u + r * ld_in;
+    float* h_row = h + r * ld_h;
+    MaxAcc acc{_mm512_setzero_ps(), 0};
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 lanes = tail_mask(n - j);
+      const __m512 denom = _mm512_add_ps(_mm512_maskz_loadu_ps(lanes, u_row + j), one);
+      const __m512 g = _mm512_div_ps(_mm512_maskz_loadu_ps(lanes, g_row + j), denom);
+      const __m512 hv = _mm512_mul_ps(g, _mm512_maskz_loadu_ps(lanes, up_row + j));
+      _mm512_mask_storeu_ps(h_row + j, lanes, hv);
+      max_step(acc, hv, lanes);
+    }
+    m[r * ld_m] = finish_max(acc, h_row, n);
   }
-  return finish_max(acc, h, n);
 }
 
 CAM_JIT_AVX512 void float_to_bf16(const float* v, uint16_t* y, int64_t n) {

@@ -62,13 +62,13 @@ struct W8A8Dequant {
   int64_t width, ld;
   float operator()(int64_t r, int64_t j) const { return static_cast<float>(acc[r * ld + j]) * s[j]; }
 #if defined(__x86_64__)
-  // out[j] = (*this)(r, j) * scale for the whole row, AVX512.
-  void row_avx512(int64_t r, float scale, float* out) const {
-    avx512::dequant_w8a8(acc + r * ld, s, scale, out, width);
+  // out[i * ld_out + j] = (*this)(r0 + i, j) * scales[i] for `rows` whole rows, AVX512.
+  void rows_avx512(int64_t r0, int64_t rows, const float* scales, float* out, int64_t ld_out) const {
+    avx512::dequant_w8a8(acc + r0 * ld, ld, s, scales, rows, out, ld_out, width);
   }
-  // The same row cast to bf16 (bits).
-  void row_bf16_avx512(int64_t r, float scale, uint16_t* out) const {
-    avx512::dequant_w8a8_bf16(acc + r * ld, s, scale, out, width);
+  // The same rows cast to bf16 (bits).
+  void rows_bf16_avx512(int64_t r0, int64_t rows, const float* scales, uint16_t* out, int64_t ld_out) const {
+    avx512::dequant_w8a8_bf16(acc + r0 * ld, ld, s, scales, rows, out, ld_out, width);
   }
 #endif
 };
@@ -87,22 +87,26 @@ struct W4A8Dequant {
     return (high + low) + bias[j];
   }
 #if defined(__x86_64__)
-  void row_avx512(int64_t r, float scale, float* out) const {
-    avx512::dequant_w4a8(hi + r * ld, lo + r * ld, s, bias, scale, out, width);
+  void rows_avx512(int64_t r0, int64_t rows, const float* scales, float* out, int64_t ld_out) const {
+    avx512::dequant_w4a8(hi + r0 * ld, lo + r0 * ld, ld, s, bias, scales, rows, out, ld_out, width);
   }
-  void row_bf16_avx512(int64_t r, float scale, uint16_t* out) const {
-    avx512::dequant_w4a8_bf16(hi + r * ld, lo + r * ld, s, bias, scale, out, width);
+  void rows_bf16_avx512(int64_t r0, int64_t rows, const float* scales, uint16_t* out, int64_t ld_out) const {
+    avx512::dequant_w4a8_bf16(hi + r0 * ld, lo + r0 * ld, ld, s, bias, scales, rows, out, ld_out, width);
   }
 #endif
 };
 
-// out[j] = dequant(r, j) * scale over the row (steps 2.2-2.4, 4.2 before the cast).
+// out[i * ld_out + j] = dequant(r0 + i, j) * scales[i] over `rows` whole rows (steps 2.2-2.4, 4.2 before
+// the cast).
 template <typename Dequant>
-void dequant_row(const Dequant& dequant, int64_t r, float scale, float* out, bool vec) {
+void dequant_rows(const Dequant& dequant, int64_t r0, int64_t rows, const float* scales, float* out, int64_t ld_out,
+                  bool vec) {
 #if defined(__x86_64__)
-  if (vec) return dequant.row_avx512(r, scale, out);
+  if (vec) return dequant.rows_avx512(r0, rows, scales, out, ld_out);
 #endif
-  for (int64_t j = 0; j < dequant.width; ++j) out[j] = dequant(r, j) * scale;
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t j = 0; j < dequant.width; ++j) out[i * ld_out + j] = dequant(r0 + i, j) * scales[i];
+  }
 }
 
 // out[j] = -v[j].
@@ -124,17 +128,21 @@ void cast_row(const float* v, scalar_t* out, int64_t n, bool vec) {
   for (int64_t j = 0; j < n; ++j) out[j] = static_cast<scalar_t>(v[j]);
 }
 
-// out[j] = cast(dequant(r, j) * scale) over the row (step 4.2); for bf16 under the AVX512 variant
-// without a float row in between, else through `row` (scratch of dequant.width floats).
+// out[i * ld_out + j] = cast(dequant(r0 + i, j) * scales[i]) over `rows` whole rows (step 4.2); for
+// bf16 under the AVX512 variant without a float row in between, else through `row` (scratch of
+// dequant.width floats).
 template <typename scalar_t, typename Dequant>
-void dequant_cast_row(const Dequant& dequant, int64_t r, float scale, scalar_t* out, float* row, bool vec) {
+void dequant_cast_rows(const Dequant& dequant, int64_t r0, int64_t rows, const float* scales, scalar_t* out,
+                       int64_t ld_out, float* row, bool vec) {
 #if defined(__x86_64__)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    if (vec) return dequant.row_bf16_avx512(r, scale, reinterpret_cast<uint16_t*>(out));
+    if (vec) return dequant.rows_bf16_avx512(r0, rows, scales, reinterpret_cast<uint16_t*>(out), ld_out);
   }
 #endif
-  dequant_row(dequant, r, scale, row, vec);
-  cast_row(row, out, dequant.width, vec);
+  for (int64_t i = 0; i < rows; ++i) {
+    dequant_rows(dequant, r0 + i, 1, scales + i, row, 0, vec);
+    cast_row(row, out + i * ld_out, dequant.width, vec);
+  }
 }
 
 // Step 2.4: d[r, j] = dequant(r, j) * a[r]. Also writes -d of the gate half into neg_gate so that
@@ -148,27 +156,29 @@ void dequant_gmm1(const Dequant& dequant, const float* a, at::Tensor& d, at::Ten
   float* ng_ptr = neg_gate.data_ptr<float>();
   const bool vec = vector_kernel() == VectorKernel::kAvx512;
   at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      dequant_row(dequant, r, a[r], d_ptr + r * width, vec);
-      negate_row(d_ptr + r * width, ng_ptr + r * inter, inter, vec);
-    }
+    dequant_rows(dequant, begin, end - begin, a + begin, d_ptr + begin * width, width, vec);
+    for (int64_t r = begin; r < end; ++r) negate_row(d_ptr + r * width, ng_ptr + r * inter, inter, vec);
   });
 }
 
-// Steps 2.5 (after exp) to 3.2 on n values of a row: G = gate / (u + 1) with u = exp(-gate), h = G *
-// up; returns the abs_max fold of h from 0.
-float swiglu_row(const float* gate, const float* up, const float* u, float* h, int64_t n, bool vec) {
+// Steps 2.5 (after exp) to 3.2 on `rows` rows of n values (gate, up and u row i at i * ld_in, h row
+// i at i * ld_h): G = gate / (u + 1) with u = exp(-gate), h = G * up, and m[i * ld_m] the abs_max
+// fold of h's row i from 0.
+void swiglu_rows(const float* gate, const float* up, const float* u, int64_t ld_in, int64_t rows, float* h,
+                 int64_t ld_h, float* m, int64_t ld_m, int64_t n, bool vec) {
 #if defined(__x86_64__)
-  if (vec) return avx512::swiglu(gate, up, u, h, n);
+  if (vec) return avx512::swiglu(gate, up, u, ld_in, rows, h, ld_h, m, ld_m, n);
 #endif
-  float m = 0.f;
-  for (int64_t j = 0; j < n; ++j) {
-    const float denom = u[j] + 1.f;
-    const float g = gate[j] / denom;
-    h[j] = g * up[j];
-    m = abs_max(m, h[j]);
+  for (int64_t i = 0; i < rows; ++i) {
+    float fold = 0.f;
+    for (int64_t j = 0; j < n; ++j) {
+      const float denom = u[i * ld_in + j] + 1.f;
+      const float g = gate[i * ld_in + j] / denom;
+      h[i * ld_h + j] = g * up[i * ld_in + j];
+      fold = abs_max(fold, h[i * ld_h + j]);
+    }
+    m[i * ld_m] = fold;
   }
-  return m;
 }
 
 // Steps 3.3-3.4 on a row h of `inter` values with m its abs_max fold: q = rint((h * 127) * (1 / m));
@@ -196,7 +206,9 @@ float requant_row(const float* h, float m, int8_t* q, int64_t inter, bool vec) {
 // q, returns its scale b.
 float swiglu_requant_row(const float* gate, const float* up, const float* u, float* h, int8_t* q, int64_t inter,
                          bool vec) {
-  return requant_row(h, swiglu_row(gate, up, u, h, inter, vec), q, inter, vec);
+  float m = 0.f;
+  swiglu_rows(gate, up, u, 0, 1, h, 0, &m, 0, inter, vec);
+  return requant_row(h, m, q, inter, vec);
 }
 
 // Steps 2.5-3.4 for every row of d [rows, 2I]; exp_neg [rows, I] holds exp(-d_gate).
@@ -223,7 +235,7 @@ void dequant_gmm2(const Dequant& dequant, int64_t rows, const float* b, scalar_t
   const bool vec = vector_kernel() == VectorKernel::kAvx512;
   at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
     std::vector<float> row(width);
-    for (int64_t r = begin; r < end; ++r) dequant_cast_row(dequant, r, b[r], out + r * width, row.data(), vec);
+    dequant_cast_rows(dequant, begin, end - begin, b + begin, out + begin * width, width, row.data(), vec);
   });
 }
 
@@ -373,18 +385,21 @@ struct GroupProduct {
   W4A8Dequant w4;
 };
 
-// out[j] = dequantised (r, p.col + j) * scale over the group's columns.
-void dequant_group_row(const GroupProduct& p, int64_t r, float scale, float* out, bool vec) {
-  if (p.int4) return dequant_row(p.w4, r, scale, out, vec);
-  dequant_row(p.w8, r, scale, out, vec);
+// out[r * ld_out + j] = dequantised (r, p.col + j) * scales[r] over the group's columns, r < rows.
+void dequant_group_rows(const GroupProduct& p, int64_t rows, const float* scales, float* out, int64_t ld_out,
+                        bool vec) {
+  if (p.int4) return dequant_rows(p.w4, 0, rows, scales, out, ld_out, vec);
+  dequant_rows(p.w8, 0, rows, scales, out, ld_out, vec);
 }
 
-// out[j] = cast(dequantised (r, p.col + j) * scale) over the group's columns (step 4.2).
+// out[r * ld_out + j] = cast(dequantised (r, p.col + j) * scales[r]) over the group's columns, r < rows
+// (step 4.2).
 template <typename scalar_t>
-void dequant_cast_group_row(const GroupProduct& p, int64_t r, float scale, scalar_t* out, bool vec) {
+void dequant_cast_group_rows(const GroupProduct& p, int64_t rows, const float* scales, scalar_t* out, int64_t ld_out,
+                             bool vec) {
   float row[kVnniGroupColumns];
-  if (p.int4) return dequant_cast_row(p.w4, r, scale, out, row, vec);
-  dequant_cast_row(p.w8, r, scale, out, row, vec);
+  if (p.int4) return dequant_cast_rows(p.w4, 0, rows, scales, out, ld_out, row, vec);
+  dequant_cast_rows(p.w8, 0, rows, scales, out, ld_out, row, vec);
 }
 
 // q . W on column group g of an expert's matrix w of `width` columns, its scales s and (W4A8) biases
@@ -419,15 +434,11 @@ void swiglu_group(const GroupProduct& gate, const GroupProduct& up, int64_t rows
   float* const g = scratch;
   float* const u = g + rows * n;
   float* const p = u + rows * n;
-  for (int64_t r = 0; r < rows; ++r) {
-    dequant_group_row(gate, r, a[r], g + r * n, vec);
-    negate_row(g + r * n, u + r * n, n, vec);
-    dequant_group_row(up, r, a[r], p + r * n, vec);
-  }
+  dequant_group_rows(gate, rows, a, g, n, vec);
+  negate_row(g, u, rows * n, vec);
+  dequant_group_rows(up, rows, a, p, n, vec);
   exp_direct(u, rows * n);
-  for (int64_t r = 0; r < rows; ++r) {
-    part_max[r * ld_max] = swiglu_row(g + r * n, p + r * n, u + r * n, h + r * ld_h, n, vec);
-  }
+  swiglu_rows(g, p, u, n, rows, h, ld_h, part_max, ld_max, n, vec);
 }
 
 // Items [front, back) of a run of for_each_group still to take, in one word: its owner takes them
@@ -610,10 +621,10 @@ void experts_packed(std::vector<PackedExpert>& experts, const GroupedRows& rows,
                      const GroupProduct p =
                          group_product(ve, ve.rows1, *ve.w1, ve.ex.s1, ve.ex.b1, width, g, next, acc);
                      const int64_t gate_cols = std::clamp<int64_t>(ve.inter - p.col, 0, p.cols);
+                     float* const d_group = d_ptr + ve.d_at + p.col;
+                     dequant_group_rows(p, ve.rows, a + ve.start, d_group, width, vec);
                      for (int64_t r = 0; r < ve.rows; ++r) {
-                       float* dr = d_ptr + ve.d_at + r * width + p.col;
-                       dequant_group_row(p, r, a[ve.start + r], dr, vec);
-                       negate_row(dr, ng_ptr + ve.gate_at + r * ve.inter + p.col, gate_cols, vec);
+                       negate_row(d_group + r * width, ng_ptr + ve.gate_at + r * ve.inter + p.col, gate_cols, vec);
                      }
                    });
   }
@@ -659,9 +670,7 @@ void experts_packed(std::vector<PackedExpert>& experts, const GroupedRows& rows,
   for_each_group(experts, &PackedExpert::w2, 1, 2 * kVnniGroupColumns,
                  [&](const PackedExpert& ve, int64_t g, VnniNext next, int32_t* acc) {
                    const GroupProduct p = group_product(ve, ve.rows2, *ve.w2, ve.ex.s2, ve.ex.b2, hidden, g, next, acc);
-                   for (int64_t r = 0; r < ve.rows; ++r) {
-                     dequant_cast_group_row(p, r, b[ve.start + r], y + (ve.start + r) * hidden + p.col, vec);
-                   }
+                   dequant_cast_group_rows(p, ve.rows, b + ve.start, y + ve.start * hidden + p.col, hidden, vec);
                  });
   stage.trim();
 }
