@@ -24,11 +24,13 @@ void dequant_w8a8(const int32_t* acc, int64_t ld_acc, const float* s, const floa
 // d[j] = ((((f32(hi[j]) * s[j]) * 16) + f32(lo[j]) * s[j]) + bias[j]) * a.
 void dequant_w4a8(const int32_t* hi, const int32_t* lo, int64_t ld_acc, const float* s, const float* bias,
                   const float* a, int64_t rows, float* d, int64_t ld_d, int64_t n);
-// y[j] = bf16 of dequant_w8a8's d[j] / dequant_w4a8's d[j] (float_to_bf16's rounding).
+// y[j] = bf16 of dequant_w8a8's d[j] / dequant_w4a8's d[j] (float_to_bf16's rounding); with `stream`,
+// written past the caches (non-temporal stores, fenced before returning) where n is a multiple of
+// 16 and every row starts 32-byte aligned.
 void dequant_w8a8_bf16(const int32_t* acc, int64_t ld_acc, const float* s, const float* a, int64_t rows, uint16_t* y,
-                       int64_t ld_y, int64_t n);
+                       int64_t ld_y, int64_t n, bool stream);
 void dequant_w4a8_bf16(const int32_t* hi, const int32_t* lo, int64_t ld_acc, const float* s, const float* bias,
-                       const float* a, int64_t rows, uint16_t* y, int64_t ld_y, int64_t n);
+                       const float* a, int64_t rows, uint16_t* y, int64_t ld_y, int64_t n, bool stream);
 // out[j] = -v[j].
 void negate(const float* v, float* out, int64_t n);
 // Over `rows` rows of n values (gate, up and u row r at r * ld_in, h row r at r * ld_h):

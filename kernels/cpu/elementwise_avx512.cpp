@@ -64,13 +64,24 @@ CAM_JIT_AVX512 inline __m512 w4a8_lanes(const int32_t* hi, const int32_t* lo, co
   return _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(high, low), _mm512_maskz_loadu_ps(lanes, bias)), a);
 }
 
-// bf16(f) with c10's rounding (RNE, NaN -> 0x7FC0) into the lanes of y.
-CAM_JIT_AVX512 inline void store_bf16(__m512 f, uint16_t* y, __mmask16 lanes) {
+// bf16(f) with c10's rounding (RNE, NaN -> 0x7FC0), 16 values.
+CAM_JIT_AVX512 inline __m256i to_bf16(__m512 f) {
   const __m512i u = _mm512_castps_si512(f);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
   r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  _mm256_mask_storeu_epi16(y, lanes, _mm512_cvtepi32_epi16(r));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// bf16(f) into the lanes of y.
+CAM_JIT_AVX512 inline void store_bf16(__m512 f, uint16_t* y, __mmask16 lanes) {
+  _mm256_mask_storeu_epi16(y, lanes, to_bf16(f));
+}
+
+// Where the bf16 dequantisations may write past the caches: whole vectors (n a multiple of 16) at
+// 32-byte aligned addresses in every row.
+bool streamable(const uint16_t* y, int64_t ld_y, int64_t n) {
+  return n % 16 == 0 && reinterpret_cast<uintptr_t>(y) % 32 == 0 && (ld_y * 2) % 32 == 0;
 }
 
 }  // namespace
@@ -122,7 +133,18 @@ CAM_JIT_AVX512 void dequant_w8a8(const int32_t* acc, int64_t ld_acc, const float
 }
 
 CAM_JIT_AVX512 void dequant_w8a8_bf16(const int32_t* acc, int64_t ld_acc, const float* s, const float* a,
-                                      int64_t rows, uint16_t* y, int64_t ld_y, int64_t n) {
+                                      int64_t rows, uint16_t* y, int64_t ld_y, int64_t n, bool stream) {
+  if (stream && streamable(y, ld_y, n)) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 va = _mm512_set1_ps(a[r]);
+      for (int64_t j = 0; j < n; j += 16) {
+        _mm256_stream_si256(reinterpret_cast<__m256i*>(y + r * ld_y + j),
+                            to_bf16(w8a8_lanes(acc + r * ld_acc + j, s + j, va, 0xFFFF)));
+      }
+    }
+    _mm_sfence();
+    return;
+  }
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 va = _mm512_set1_ps(a[r]);
     for (int64_t j = 0; j < n; j += 16) {
@@ -146,7 +168,19 @@ CAM_JIT_AVX512 void dequant_w4a8(const int32_t* hi, const int32_t* lo, int64_t l
 
 CAM_JIT_AVX512 void dequant_w4a8_bf16(const int32_t* hi, const int32_t* lo, int64_t ld_acc, const float* s,
                                       const float* bias, const float* a, int64_t rows, uint16_t* y, int64_t ld_y,
-                                      int64_t n) {
+                                      int64_t n, bool stream) {
+  if (stream && streamable(y, ld_y, n)) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 va = _mm512_set1_ps(a[r]);
+      for (int64_t j = 0; j < n; j += 16) {
+        _mm256_stream_si256(
+            reinterpret_cast<__m256i*>(y + r * ld_y + j),
+            to_bf16(w4a8_lanes(hi + r * ld_acc + j, lo + r * ld_acc + j, s + j, bias + j, va, 0xFFFF)));
+      }
+    }
+    _mm_sfence();
+    return;
+  }
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 va = _mm512_set1_ps(a[r]);
     for (int64_t j = 0; j < n; j += 16) {

@@ -66,9 +66,10 @@ struct W8A8Dequant {
   void rows_avx512(int64_t r0, int64_t rows, const float* scales, float* out, int64_t ld_out) const {
     avx512::dequant_w8a8(acc + r0 * ld, ld, s, scales, rows, out, ld_out, width);
   }
-  // The same rows cast to bf16 (bits).
-  void rows_bf16_avx512(int64_t r0, int64_t rows, const float* scales, uint16_t* out, int64_t ld_out) const {
-    avx512::dequant_w8a8_bf16(acc + r0 * ld, ld, s, scales, rows, out, ld_out, width);
+  // The same rows cast to bf16 (bits); `stream`: past the caches where the rows allow.
+  void rows_bf16_avx512(int64_t r0, int64_t rows, const float* scales, uint16_t* out, int64_t ld_out,
+                        bool stream) const {
+    avx512::dequant_w8a8_bf16(acc + r0 * ld, ld, s, scales, rows, out, ld_out, width, stream);
   }
 #endif
 };
@@ -90,8 +91,9 @@ struct W4A8Dequant {
   void rows_avx512(int64_t r0, int64_t rows, const float* scales, float* out, int64_t ld_out) const {
     avx512::dequant_w4a8(hi + r0 * ld, lo + r0 * ld, ld, s, bias, scales, rows, out, ld_out, width);
   }
-  void rows_bf16_avx512(int64_t r0, int64_t rows, const float* scales, uint16_t* out, int64_t ld_out) const {
-    avx512::dequant_w4a8_bf16(hi + r0 * ld, lo + r0 * ld, ld, s, bias, scales, rows, out, ld_out, width);
+  void rows_bf16_avx512(int64_t r0, int64_t rows, const float* scales, uint16_t* out, int64_t ld_out,
+                        bool stream) const {
+    avx512::dequant_w4a8_bf16(hi + r0 * ld, lo + r0 * ld, ld, s, bias, scales, rows, out, ld_out, width, stream);
   }
 #endif
 };
@@ -129,14 +131,14 @@ void cast_row(const float* v, scalar_t* out, int64_t n, bool vec) {
 }
 
 // out[i * ld_out + j] = cast(dequant(r0 + i, j) * scales[i]) over `rows` whole rows (step 4.2); for
-// bf16 under the AVX512 variant without a float row in between, else through `row` (scratch of
-// dequant.width floats).
+// bf16 under the AVX512 variant without a float row in between (with `stream`, past the caches),
+// else through `row` (scratch of dequant.width floats).
 template <typename scalar_t, typename Dequant>
 void dequant_cast_rows(const Dequant& dequant, int64_t r0, int64_t rows, const float* scales, scalar_t* out,
-                       int64_t ld_out, float* row, bool vec) {
+                       int64_t ld_out, float* row, bool vec, bool stream) {
 #if defined(__x86_64__)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    if (vec) return dequant.rows_bf16_avx512(r0, rows, scales, reinterpret_cast<uint16_t*>(out), ld_out);
+    if (vec) return dequant.rows_bf16_avx512(r0, rows, scales, reinterpret_cast<uint16_t*>(out), ld_out, stream);
   }
 #endif
   for (int64_t i = 0; i < rows; ++i) {
@@ -235,7 +237,7 @@ void dequant_gmm2(const Dequant& dequant, int64_t rows, const float* b, scalar_t
   const bool vec = vector_kernel() == VectorKernel::kAvx512;
   at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
     std::vector<float> row(width);
-    dequant_cast_rows(dequant, begin, end - begin, b + begin, out + begin * width, width, row.data(), vec);
+    dequant_cast_rows(dequant, begin, end - begin, b + begin, out + begin * width, width, row.data(), vec, false);
   });
 }
 
@@ -393,13 +395,13 @@ void dequant_group_rows(const GroupProduct& p, int64_t rows, const float* scales
 }
 
 // out[r * ld_out + j] = cast(dequantised (r, p.col + j) * scales[r]) over the group's columns, r < rows
-// (step 4.2).
+// (step 4.2); `stream` as dequant_cast_rows.
 template <typename scalar_t>
 void dequant_cast_group_rows(const GroupProduct& p, int64_t rows, const float* scales, scalar_t* out, int64_t ld_out,
-                             bool vec) {
+                             bool vec, bool stream) {
   float row[kVnniGroupColumns];
-  if (p.int4) return dequant_cast_rows(p.w4, 0, rows, scales, out, ld_out, row, vec);
-  dequant_cast_rows(p.w8, 0, rows, scales, out, ld_out, row, vec);
+  if (p.int4) return dequant_cast_rows(p.w4, 0, rows, scales, out, ld_out, row, vec, stream);
+  dequant_cast_rows(p.w8, 0, rows, scales, out, ld_out, row, vec, stream);
 }
 
 // q . W on column group g of an expert's matrix w of `width` columns, its scales s and (W4A8) biases
@@ -540,10 +542,11 @@ void for_each_group(const std::vector<PackedExpert>& experts, std::shared_ptr<co
 // region by the thread that finishes its last item (2 % faster at BS 8-256 on an AMD EPYC than a
 // region of its own, which read h back from memory). Else the epilogue keeps d [rows, 2I] and -d of
 // the gate half, exp runs over all of them at once, and SwiGLU and the requantisation run over
-// blocks of rows in a region between the GEMMs.
+// blocks of rows in a region between the GEMMs. stream_y: GEMM2's epilogue writes y past the caches
+// (stream_expert_output).
 template <typename scalar_t>
 void experts_packed(std::vector<PackedExpert>& experts, const GroupedRows& rows, scalar_t* y, int64_t hidden,
-                    bool fused) {
+                    bool fused, bool stream_y) {
   const bool vec = vector_kernel() == VectorKernel::kAvx512;
   const float* a = rows.scale;
   // The stage buffer of this call, kept by the calling thread (4-7.5 MiB for a full batch, see
@@ -670,7 +673,8 @@ void experts_packed(std::vector<PackedExpert>& experts, const GroupedRows& rows,
   for_each_group(experts, &PackedExpert::w2, 1, 2 * kVnniGroupColumns,
                  [&](const PackedExpert& ve, int64_t g, VnniNext next, int32_t* acc) {
                    const GroupProduct p = group_product(ve, ve.rows2, *ve.w2, ve.ex.s2, ve.ex.b2, hidden, g, next, acc);
-                   dequant_cast_group_rows(p, ve.rows, b + ve.start, y + ve.start * hidden + p.col, hidden, vec);
+                   dequant_cast_group_rows(p, ve.rows, b + ve.start, y + ve.start * hidden + p.col, hidden, vec,
+                                           stream_y);
                  });
   stage.trim();
 }
@@ -734,6 +738,7 @@ at::Tensor ffn_on_rows(const char* name, const GroupedRows& grouped_rows, c10::I
     return fused ? pe.rows * (4 * pe.inter + 4 * pe.inter / kVnniGroupColumns + hidden + pe.inter)
                  : pe.rows * 2 * pe.inter * 4;
   };
+  const bool stream_y = stream_expert_output(y.nbytes());
   for (auto first = packed_experts.begin(); first != packed_experts.end();) {
     auto last = first + 1;
     for (int64_t bytes = expert_bytes(*first);
@@ -742,7 +747,7 @@ at::Tensor ffn_on_rows(const char* name, const GroupedRows& grouped_rows, c10::I
     }
     std::vector<PackedExpert> batch(first, last);
     AT_DISPATCH_REDUCED_FLOATING_TYPES(out_dtype, "expert_ffn", [&] {
-      experts_packed<scalar_t>(batch, grouped_rows, y.data_ptr<scalar_t>(), hidden, fused);
+      experts_packed<scalar_t>(batch, grouped_rows, y.data_ptr<scalar_t>(), hidden, fused, stream_y);
     });
     first = last;
   }

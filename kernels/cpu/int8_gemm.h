@@ -28,6 +28,10 @@ enum class VectorKernel { kScalar = 0, kAvx512 = 1 };
 // VNNI prefetching into L1 on Intel CPUs, into L2 elsewhere).
 GemmKernel gemm_kernel(int64_t rows);
 VectorKernel vector_kernel();
+// Whether the expert FFN writes its bf16 output of `bytes` bytes with streaming (non-temporal) stores,
+// past the caches: always under the forced variant "avx512_stream", never under a forced "avx512" or
+// "scalar", and under auto on AVX512 CPUs when it is larger than the threads' L2 caches together.
+bool stream_expert_output(int64_t bytes);
 
 // A weight matrix W [K, N] (int8, or int4 values packed 8 per int32 word as [K, N/8]) rearranged for
 // the VNNI/AMX kernels: 16-column blocks, each a contiguous panel of K/4 rows of 16 columns x 4
