@@ -14,8 +14,9 @@ namespace avx512 {
 float abs_max(const float* v, int64_t n);
 // v[j] = f32(x[j]) (smooth == nullptr) or f32(x[j]) * smooth[j].
 void bf16_to_float(const uint16_t* x, const float* smooth, float* v, int64_t n);
-// q[j] = round_to_int8(v[j] * s) (pre == 0), or round_to_int8((v[j] * pre) * s).
-void quantize(const float* v, float pre, float s, int8_t* q, int64_t n);
+// q[j] = round_to_int8(v[j] * s) (pre == 0), or round_to_int8((v[j] * pre) * s). ahead: n floats the
+// caller reads next, prefetched a line per 16 values (or nullptr).
+void quantize(const float* v, float pre, float s, int8_t* q, int64_t n, const float* ahead = nullptr);
 // The dequantisations below run over `rows` rows of n values: row r of the int32 products at
 // r * ld_acc, row r of the output at r * ld_d (ld_y), a[r] the row's scale.
 // d[j] = (f32(acc[j]) * s[j]) * a.

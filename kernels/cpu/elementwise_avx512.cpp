@@ -105,10 +105,11 @@ CAM_JIT_AVX512 void bf16_to_float(const uint16_t* x, const float* smooth, float*
 }
 
 // round_to_int8: nearbyint, NaN -> 0, clamp to [-127, 127].
-CAM_JIT_AVX512 void quantize(const float* v, float pre, float s, int8_t* q, int64_t n) {
+CAM_JIT_AVX512 void quantize(const float* v, float pre, float s, int8_t* q, int64_t n, const float* ahead) {
   const __m512 vs = _mm512_set1_ps(s), vpre = _mm512_set1_ps(pre);
   const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
   for (int64_t j = 0; j < n; j += 16) {
+    if (ahead != nullptr) _mm_prefetch(reinterpret_cast<const char*>(ahead + j), _MM_HINT_T0);
     const __mmask16 lanes = tail_mask(n - j);
     __m512 x = _mm512_maskz_loadu_ps(lanes, v + j);
     if (pre != 0.f) x = _mm512_mul_ps(x, vpre);

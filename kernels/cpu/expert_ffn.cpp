@@ -184,8 +184,9 @@ void swiglu_rows(const float* gate, const float* up, const float* u, int64_t ld_
 }
 
 // Steps 3.3-3.4 on a row h of `inter` values with m its abs_max fold: q = rint((h * 127) * (1 / m));
-// returns b = m * (1/127).
-float requant_row(const float* h, float m, int8_t* q, int64_t inter, bool vec) {
+// returns b = m * (1/127). next_h: the row the caller requantises next (or nullptr), which the AVX512
+// variant brings into L1 meanwhile.
+float requant_row(const float* h, float m, int8_t* q, int64_t inter, bool vec, const float* next_h = nullptr) {
   const float inv_m = 1.f / m;
   if (std::isinf(inv_m)) {  // m 0 or subnormal, docs/semantics.md §1.11
     std::fill(q, q + inter, int8_t{0});
@@ -193,7 +194,7 @@ float requant_row(const float* h, float m, int8_t* q, int64_t inter, bool vec) {
   }
 #if defined(__x86_64__)
   if (vec) {
-    avx512::quantize(h, 127.f, inv_m, q, inter);
+    avx512::quantize(h, 127.f, inv_m, q, inter, next_h);
     return m * (1.f / 127.f);
   }
 #endif
@@ -613,7 +614,8 @@ void experts_packed(std::vector<PackedExpert>& experts, const GroupedRows& rows,
                        const float* part_max = ng_ptr + ve.gate_at + r * parts;
                        float m = 0.f;
                        for (int64_t p = 0; p < parts; ++p) m = abs_max(m, part_max[p]);
-                       b[ve.start + r] = requant_row(d_ptr + ve.d_at + r * ve.inter, m, q2, ve.inter, vec);
+                       b[ve.start + r] = requant_row(d_ptr + ve.d_at + r * ve.inter, m, q2, ve.inter, vec,
+                                                     r + 1 < ve.rows ? d_ptr + ve.d_at + (r + 1) * ve.inter : nullptr);
                        set_row(ve.rows2, r, q2);
                      }
                    });
