@@ -41,8 +41,10 @@ void swiglu(const float* gate, const float* up, const float* u, int64_t ld_in, i
 // y[j] = bf16(v[j]) (c10 rounding: RNE, NaN -> 0x7FC0).
 void float_to_bf16(const float* v, uint16_t* y, int64_t n);
 // out[j] = bf16((((0 + f32(rows[0][j]) * w[0]) + f32(rows[1][j]) * w[1]) + ...) over `count` rows, each
-// product and sum rounded (float_to_bf16's rounding of the sum).
-void combine_bf16(const uint16_t* const* rows, const float* w, int64_t count, uint16_t* out, int64_t n);
+// product and sum rounded (float_to_bf16's rounding of the sum). The `next_count` rows next_rows (n
+// values each, the caller's next token) are prefetched meanwhile.
+void combine_bf16(const uint16_t* const* rows, const float* w, int64_t count, const uint16_t* const* next_rows,
+                  int64_t next_count, uint16_t* out, int64_t n);
 
 }  // namespace avx512
 }  // namespace cam_jit_cpu

@@ -231,10 +231,14 @@ CAM_JIT_AVX512 void float_to_bf16(const float* v, uint16_t* y, int64_t n) {
 
 // 64 columns at a time in registers: the rows stream side by side and no float row goes through
 // memory.
-CAM_JIT_AVX512 void combine_bf16(const uint16_t* const* rows, const float* w, int64_t count, uint16_t* out,
-                                 int64_t n) {
+CAM_JIT_AVX512 void combine_bf16(const uint16_t* const* rows, const float* w, int64_t count,
+                                 const uint16_t* const* next_rows, int64_t next_count, uint16_t* out, int64_t n) {
   constexpr int kVectors = 4;
   for (int64_t j0 = 0; j0 < n; j0 += 16 * kVectors) {
+    for (int64_t k = 0; k < next_count; ++k) {
+      _mm_prefetch(reinterpret_cast<const char*>(next_rows[k] + j0), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(next_rows[k] + j0 + 32), _MM_HINT_T0);
+    }
     __m512 acc[kVectors];
     __mmask16 lanes[kVectors];
     for (int v = 0; v < kVectors; ++v) {

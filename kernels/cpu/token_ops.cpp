@@ -171,21 +171,31 @@ at::Tensor combine_into(const at::Tensor& yc, const int64_t* pr_ptr, const float
     at::parallel_for(0, active_count, grain, [&](int64_t begin, int64_t end) {
       thread_local KeptBuffer row_space;
       float* const acc = row_space.get<float>(hidden);
-      std::vector<const uint16_t*> rows(topk);
-      std::vector<float> row_weights(topk);
-      for (int64_t t = begin; t < end; ++t) {
+      std::vector<const uint16_t*> rows(topk), next_rows(topk);
+      std::vector<float> row_weights(topk), next_weights(topk);
+      // Token t's rows (that is, those of its pairs not skipped) and their weights; returns how many.
+      const auto gather = [&](int64_t t, std::vector<const uint16_t*>& to, std::vector<float>& weights) {
         int64_t count = 0;
         for (int64_t k = 0; k < topk; ++k) {
           const int64_t row = pr_ptr[t * topk + k];
           if (row < 0) continue;
           TORCH_CHECK(row < y_rows, "_cam_jit_cpu::combine: pair row ", row, " >= ", y_rows);
-          rows[count] = reinterpret_cast<const uint16_t*>(y_ptr + row * hidden);
-          row_weights[count++] = w_ptr[t * topk + k];
+          to[count] = reinterpret_cast<const uint16_t*>(y_ptr + row * hidden);
+          weights[count++] = w_ptr[t * topk + k];
         }
+        return count;
+      };
+      int64_t next_count = begin < end ? gather(begin, next_rows, next_weights) : 0;
+      for (int64_t t = begin; t < end; ++t) {
+        std::swap(rows, next_rows);
+        std::swap(row_weights, next_weights);
+        const int64_t count = next_count;
+        next_count = t + 1 < end ? gather(t + 1, next_rows, next_weights) : 0;
         scalar_t* orow = out_ptr + t * hidden;
 #if defined(__x86_64__)
         if (bf16 && vec) {
-          avx512::combine_bf16(rows.data(), row_weights.data(), count, reinterpret_cast<uint16_t*>(orow), hidden);
+          avx512::combine_bf16(rows.data(), row_weights.data(), count, next_rows.data(), next_count,
+                               reinterpret_cast<uint16_t*>(orow), hidden);
           continue;
         }
 #endif
