@@ -122,74 +122,84 @@ CAM_JIT_AVX512 void quantize(const float* v, float pre, float s, int8_t* q, int6
   }
 }
 
-CAM_JIT_AVX512 void dequant_w8a8(const int32_t* acc, int64_t ld_acc, const float* s, const float* a, int64_t rows,
-                                 float* d, int64_t ld_d, int64_t n) {
+namespace {
+
+// Row r, columns j..j+15 (the lanes) of a W8A8 or W4A8 dequantisation with row scales a.
+struct W8A8Rows {
+  const int32_t* acc;
+  int64_t ld_acc;
+  const float* s;
+  const float* a;
+  CAM_JIT_AVX512 __m512 operator()(int64_t r, int64_t j, __mmask16 lanes) const {
+    return w8a8_lanes(acc + r * ld_acc + j, s + j, _mm512_set1_ps(a[r]), lanes);
+  }
+};
+struct W4A8Rows {
+  const int32_t* hi;
+  const int32_t* lo;
+  int64_t ld_acc;
+  const float* s;
+  const float* bias;
+  const float* a;
+  CAM_JIT_AVX512 __m512 operator()(int64_t r, int64_t j, __mmask16 lanes) const {
+    return w4a8_lanes(hi + r * ld_acc + j, lo + r * ld_acc + j, s + j, bias + j, _mm512_set1_ps(a[r]), lanes);
+  }
+};
+
+// d[r * ld_d + j] = value(r, j) over `rows` rows of n.
+template <typename Value>
+CAM_JIT_AVX512 void store_rows(const Value& value, int64_t rows, float* d, int64_t ld_d, int64_t n) {
   for (int64_t r = 0; r < rows; ++r) {
-    const __m512 va = _mm512_set1_ps(a[r]);
     for (int64_t j = 0; j < n; j += 16) {
       const __mmask16 lanes = tail_mask(n - j);
-      _mm512_mask_storeu_ps(d + r * ld_d + j, lanes, w8a8_lanes(acc + r * ld_acc + j, s + j, va, lanes));
+      _mm512_mask_storeu_ps(d + r * ld_d + j, lanes, value(r, j, lanes));
     }
   }
 }
 
-CAM_JIT_AVX512 void dequant_w8a8_bf16(const int32_t* acc, int64_t ld_acc, const float* s, const float* a,
-                                      int64_t rows, uint16_t* y, int64_t ld_y, int64_t n, bool stream) {
+// y[r * ld_y + j] = bf16(value(r, j)) over `rows` rows of n; with `stream` past the caches where
+// streamable, fenced before returning.
+template <typename Value>
+CAM_JIT_AVX512 void store_rows_bf16(const Value& value, int64_t rows, uint16_t* y, int64_t ld_y, int64_t n,
+                                    bool stream) {
   if (stream && streamable(y, ld_y, n)) {
     for (int64_t r = 0; r < rows; ++r) {
-      const __m512 va = _mm512_set1_ps(a[r]);
       for (int64_t j = 0; j < n; j += 16) {
-        _mm256_stream_si256(reinterpret_cast<__m256i*>(y + r * ld_y + j),
-                            to_bf16(w8a8_lanes(acc + r * ld_acc + j, s + j, va, 0xFFFF)));
+        _mm256_stream_si256(reinterpret_cast<__m256i*>(y + r * ld_y + j), to_bf16(value(r, j, 0xFFFF)));
       }
     }
     _mm_sfence();
     return;
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const __m512 va = _mm512_set1_ps(a[r]);
     for (int64_t j = 0; j < n; j += 16) {
       const __mmask16 lanes = tail_mask(n - j);
-      store_bf16(w8a8_lanes(acc + r * ld_acc + j, s + j, va, lanes), y + r * ld_y + j, lanes);
+      store_bf16(value(r, j, lanes), y + r * ld_y + j, lanes);
     }
   }
 }
 
+}  // namespace
+
+CAM_JIT_AVX512 void dequant_w8a8(const int32_t* acc, int64_t ld_acc, const float* s, const float* a, int64_t rows,
+                                 float* d, int64_t ld_d, int64_t n) {
+  store_rows(W8A8Rows{acc, ld_acc, s, a}, rows, d, ld_d, n);
+}
+
+CAM_JIT_AVX512 void dequant_w8a8_bf16(const int32_t* acc, int64_t ld_acc, const float* s, const float* a,
+                                      int64_t rows, uint16_t* y, int64_t ld_y, int64_t n, bool stream) {
+  store_rows_bf16(W8A8Rows{acc, ld_acc, s, a}, rows, y, ld_y, n, stream);
+}
+
 CAM_JIT_AVX512 void dequant_w4a8(const int32_t* hi, const int32_t* lo, int64_t ld_acc, const float* s, const float* bias,
                                  const float* a, int64_t rows, float* d, int64_t ld_d, int64_t n) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const __m512 va = _mm512_set1_ps(a[r]);
-    for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 lanes = tail_mask(n - j);
-      _mm512_mask_storeu_ps(d + r * ld_d + j, lanes,
-                            w4a8_lanes(hi + r * ld_acc + j, lo + r * ld_acc + j, s + j, bias + j, va, lanes));
-    }
-  }
+  store_rows(W4A8Rows{hi, lo, ld_acc, s, bias, a}, rows, d, ld_d, n);
 }
 
 CAM_JIT_AVX512 void dequant_w4a8_bf16(const int32_t* hi, const int32_t* lo, int64_t ld_acc, const float* s,
                                       const float* bias, const float* a, int64_t rows, uint16_t* y, int64_t ld_y,
                                       int64_t n, bool stream) {
-  if (stream && streamable(y, ld_y, n)) {
-    for (int64_t r = 0; r < rows; ++r) {
-      const __m512 va = _mm512_set1_ps(a[r]);
-      for (int64_t j = 0; j < n; j += 16) {
-        _mm256_stream_si256(
-            reinterpret_cast<__m256i*>(y + r * ld_y + j),
-            to_bf16(w4a8_lanes(hi + r * ld_acc + j, lo + r * ld_acc + j, s + j, bias + j, va, 0xFFFF)));
-      }
-    }
-    _mm_sfence();
-    return;
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    const __m512 va = _mm512_set1_ps(a[r]);
-    for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 lanes = tail_mask(n - j);
-      store_bf16(w4a8_lanes(hi + r * ld_acc + j, lo + r * ld_acc + j, s + j, bias + j, va, lanes), y + r * ld_y + j,
-                 lanes);
-    }
-  }
+  store_rows_bf16(W4A8Rows{hi, lo, ld_acc, s, bias, a}, rows, y, ld_y, n, stream);
 }
 
 CAM_JIT_AVX512 void negate(const float* v, float* out, int64_t n) {
