@@ -1,9 +1,10 @@
 """Every CPU kernel variant the build can select on this machine, forced one at a time: the GEMMs
 (`int_mm` portable, `vnni` and `vnni_l1` AVX512-VNNI prefetching into L2 and into L1, and `amx`
 AMX, on prepacked weights) are exact, and the whole fused_deep_moe op is bit-identical across all
-GEMM x element-wise (`scalar`, `avx512`) variants and to the plain-torch reference. Also: the
-prepack cache follows in-place weight updates, the preparation API, and the argument checks of the
-internal ops."""
+GEMM x element-wise (`scalar`, `avx512`, and `avx512_stream`, which writes the expert FFN's bf16
+output past the caches) variants and to the plain-torch reference. Also: the prepack cache follows
+in-place weight updates, the preparation API, every VNNI kernel in the built library issues its L2
+prefetch, and the argument checks of the internal ops."""
 import contextlib
 import dataclasses
 import os
