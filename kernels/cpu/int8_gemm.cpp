@@ -43,6 +43,9 @@
 // (the test inline, the prefetch in an outlined part), then finds the outlined part free of side
 // effects and deletes its calls: the kernels issued none of those prefetches.
 #define CAM_JIT_PREFETCH_HELPER __attribute__((always_inline))
+// For the row-block kernels: one function per block shape and prefetch kind whatever the compiler's
+// inlining, so that the test of their prefetches finds each in the library's disassembly.
+#define CAM_JIT_BLOCK_KERNEL __attribute__((noinline))
 #define CAM_JIT_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,amx-tile,amx-int8")))
 #endif
 
@@ -443,7 +446,7 @@ struct PanelPrefetch {
 };
 
 template <int MR, int NR, Ahead kAhead>
-CAM_JIT_AVX512 void vnni_i8_block(const uint8_t* a, int64_t lda, PanelPrefetch panels, int64_t k4s,
+CAM_JIT_AVX512 CAM_JIT_BLOCK_KERNEL void vnni_i8_block(const uint8_t* a, int64_t lda, PanelPrefetch panels, int64_t k4s,
                                   const int32_t* comp, int32_t* out, int64_t ldo, int64_t ncols) {
   const uint8_t* panel = panels.panel;
   const int64_t panel_bytes = panels.panel_bytes;
@@ -479,7 +482,7 @@ CAM_JIT_AVX512 void vnni_i8_block(const uint8_t* a, int64_t lda, PanelPrefetch p
 // k-group, so that the two vpdpbusd of a k step do not wait on each other; more rows have no
 // registers for that.
 template <int MR, int NR, Ahead kAhead>
-CAM_JIT_AVX512 void vnni_i4_block(const int8_t* hi, const int8_t* lo, int64_t lda, PanelPrefetch panels, int64_t k8s,
+CAM_JIT_AVX512 CAM_JIT_BLOCK_KERNEL void vnni_i4_block(const int8_t* hi, const int8_t* lo, int64_t lda, PanelPrefetch panels, int64_t k8s,
                                   const int32_t* hi_sum8, const int32_t* lo_sum8, int32_t* out_hi, int32_t* out_lo,
                                   int64_t ldo, int64_t ncols) {
   const uint8_t* panel = panels.panel;
