@@ -361,9 +361,9 @@ VectorKernel vector_kernel() {
   return features().avx512 ? VectorKernel::kAvx512 : VectorKernel::kScalar;
 }
 
-// Measured on an AMD EPYC (1 MiB L2 per core, 2 threads), the W8A8 op against cached stores: 0.95x
-// the time at BS 256 (4 MiB of output) and 0.98x at 512; level at 128 (2 MiB); 1.01x at 64, where
-// combine then read the rows back from memory instead of the caches.
+// Measured on an AMD EPYC (1 MiB L2 per core, 2 threads), the W8A8 op against cached stores: 0.975x
+// the time at BS 256 (4 MiB of output; median of 10 rounds) and 0.98x at 512; level at 128 (2 MiB);
+// 1.01x at 64, where combine then read the rows back from memory instead of the caches.
 bool stream_expert_output(int64_t bytes) {
 #if defined(CAM_JIT_X86)
   const int s = vector_setting().load();

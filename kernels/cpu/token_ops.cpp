@@ -169,8 +169,8 @@ at::Tensor combine_into(const at::Tensor& yc, const int64_t* pr_ptr, const float
     scalar_t* out_ptr = out.data_ptr<scalar_t>();
     const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(hidden * std::max<int64_t>(topk, 1), 1));
     at::parallel_for(0, active_count, grain, [&](int64_t begin, int64_t end) {
-      thread_local KeptBuffer row_space;
-      float* const acc = row_space.get<float>(hidden);
+      thread_local KeptBuffer row_space;  // the float sums of the portable path
+      float* const acc = bf16 && vec ? nullptr : row_space.get<float>(hidden);
       std::vector<const uint16_t*> rows(topk), next_rows(topk);
       std::vector<float> row_weights(topk), next_weights(topk);
       // Token t's rows (that is, those of its pairs not skipped) and their weights; returns how many.
